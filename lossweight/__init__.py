@@ -1,0 +1,15 @@
+"""lossweight: loss weighting that does not depend on how a step is split.
+
+Gradient accumulation and data parallelism split an optimizer step's examples into
+microbatches and ranks. Dividing each microbatch's loss by the number of microbatches weights
+every microbatch equally, however many samples or tokens it holds. :class:`Accumulator` weights
+each one by its count instead, against the step's global count, so that the gradient and the
+logged loss are those of the whole batch, whatever the split.
+
+The dependency-free math is in :mod:`lossweight.weighting`.
+"""
+
+from lossweight.accumulator import Accumulator, Collective, StepResult, Waitable
+
+__all__ = ["Accumulator", "Collective", "StepResult", "Waitable"]
+__version__ = "0.1.0"

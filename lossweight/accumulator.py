@@ -1,0 +1,608 @@
+"""The Accumulator and the collectives it reduces over: lossweight's torch glue.
+
+The math lives in :mod:`lossweight.weighting` (no torch there); this module feeds it tensors,
+reduces the step's counts over the data-parallel ranks, and checks what the user passes in.
+It needs nothing but torch and that one module, so the two files can be vendored together.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from lossweight import weighting
+from lossweight.weighting import GradReduction, LossReduction
+
+WeightBy = Literal["samples", "tokens"]
+LossLogging = Literal["on_read", "next_step"]
+Counts = torch.Tensor | Sequence[int | torch.Tensor]
+
+
+@runtime_checkable
+class Waitable(Protocol):
+    """A collective in flight; ``wait()`` returns once its result may be used."""
+
+    def wait(self) -> Any: ...
+
+
+@runtime_checkable
+class Collective(Protocol):
+    """Sums a tensor in place over the data-parallel ranks.
+
+    Implement it to reduce over something other than a ``torch.distributed`` process group.
+    """
+
+    @property
+    def world_size(self) -> int:
+        """The number of data-parallel ranks."""
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where counts given as Python ints are placed to be reduced."""
+        ...
+
+    def can_reduce_on(self, device: torch.device) -> bool:
+        """Whether tensors on ``device`` can be reduced."""
+        ...
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> Waitable | None:
+        """Start summing ``tensor`` in place over the ranks.
+
+        Return a handle whose ``wait()`` completes the sum, or None when the sum is already
+        complete. Every rank must call this the same number of times, in the same order.
+        """
+        ...
+
+
+class SingleProcess:
+    """The collective of a run without data parallelism: one rank, nothing to reduce."""
+
+    world_size = 1
+    device = torch.device("cpu")
+
+    def can_reduce_on(self, device: torch.device) -> bool:
+        return True
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        return None
+
+
+# Device types each torch.distributed backend reduces on.
+_BACKEND_DEVICE_TYPES = {
+    "gloo": ("cpu",),
+    "nccl": ("cuda",),
+    "xccl": ("xpu",),
+    "mpi": ("cpu",),
+}
+
+
+class ProcessGroupCollective:
+    """Reduces over a ``torch.distributed`` process group (default: the default group).
+
+    The all-reduce is launched with ``async_op=True`` and waited on only when its result is
+    needed, so it overlaps the work in between. NCCL reduces CUDA tensors and gloo CPU tensors;
+    a process group made of several backends (``"cpu:gloo,cuda:nccl"``) reduces on each of
+    their devices.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self._device_types = _device_types(str(dist.get_backend(group)))
+        if "cuda" in self._device_types and torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device(self._device_types[0])
+
+    def can_reduce_on(self, device: torch.device) -> bool:
+        return device.type in self._device_types
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> Waitable | None:
+        # Looked up on the module at each call, so that code which wraps
+        # torch.distributed.all_reduce (to count or trace collectives) sees this one too.
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+
+def _device_types(backend: str) -> tuple[str, ...]:
+    if ":" in backend:  # "cpu:gloo,cuda:nccl"
+        return tuple(pair.split(":")[0] for pair in backend.split(","))
+    return _BACKEND_DEVICE_TYPES.get(backend, ("cpu", "cuda"))
+
+
+def default_collective(group: dist.ProcessGroup | None) -> Collective:
+    """The process group's collective, or a single process when torch.distributed is not
+    initialized."""
+    if dist.is_available() and dist.is_initialized():
+        return ProcessGroupCollective(group)
+    if group is not None:
+        raise ValueError(
+            f"group={group!r} was given but torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group() before creating the Accumulator, or pass "
+            "group=None for a single process"
+        )
+    return SingleProcess()
+
+
+class _Reduction:
+    """One all-reduce of a small payload: started when made, waited on once, when first read."""
+
+    def __init__(self, collective: Collective, payload: torch.Tensor) -> None:
+        self._payload = payload
+        self._handle = collective.all_reduce_sum(payload)
+
+    def result(self) -> torch.Tensor:
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+        return self._payload
+
+
+# Where each number sits in the payload reduced at the start of a step.
+_SAMPLES, _TOKENS, _PREVIOUS_LOSS = 0, 1, 2
+
+
+class StepResult:
+    """What one optimizer step reports; the same numbers on every rank.
+
+    Every value is a 0-dim tensor on the device the counts were reduced on. Reading one never
+    forces a host sync by itself: call ``.item()`` when you want a Python number.
+    """
+
+    def __init__(
+        self,
+        counts: _Reduction,
+        weight_slot: int,
+        declared: tuple[bool, bool],
+        loss_sum: torch.Tensor | None,
+        collective: Collective,
+        missing_losses: int,
+    ) -> None:
+        self._counts = counts
+        self._weight_slot = weight_slot
+        self._declared = declared
+        self._local_loss_sum = loss_sum
+        self._collective = collective
+        self._missing_losses = missing_losses
+        self._loss: torch.Tensor | None = None
+        self._carrier: _Reduction | None = None
+
+    @property
+    def num_samples(self) -> torch.Tensor | None:
+        """The global number of samples (int64), or None if the step did not declare them."""
+        return self._count(_SAMPLES)
+
+    @property
+    def num_tokens(self) -> torch.Tensor | None:
+        """The global number of tokens (int64), or None if the step did not declare them."""
+        return self._count(_TOKENS)
+
+    @property
+    def is_empty(self) -> torch.Tensor:
+        """True (a bool tensor) when the step's global weight is 0.
+
+        An empty step produced zero gradients and a logged loss of 0; test this flag before
+        ``optimizer.step()`` if weight decay or momentum must not act on such a step.
+        """
+        return self._counts.result()[self._weight_slot] == 0
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """The step's weighted mean loss (float64), from the detached losses of every rank.
+
+        With ``loss_logging="on_read"`` the first read issues one all-reduce, so every rank must
+        read it, or none. With ``"next_step"`` the losses travel with the next step's counts:
+        read it after the next ``begin()`` and it costs no collective (a read before that falls
+        back to an all-reduce of its own).
+        """
+        if self._missing_losses:
+            raise RuntimeError(
+                f"the loss of this step is unknown: {self._missing_losses} of its microbatches "
+                "went through backward_scale() without their loss; pass each microbatch's loss "
+                "through scale_loss() to have it logged"
+            )
+        if self._loss is None:
+            if self._carrier is not None:
+                loss_sum = self._carrier.result()[_PREVIOUS_LOSS]
+            else:
+                loss_sum = _Reduction(self._collective, self._loss_sum_to_send()).result()[0]
+            total = self._counts.result()[self._weight_slot].to(torch.float64)
+            self._loss = weighting.weighted_mean(loss_sum.to(torch.float64), total)
+        return self._loss
+
+    def _count(self, slot: int) -> torch.Tensor | None:
+        if not self._declared[slot]:
+            return None
+        return self._counts.result()[slot].to(torch.int64)
+
+    def _loss_sum_to_send(self) -> torch.Tensor:
+        """This rank's share of the loss numerator, on the device the counts are reduced on."""
+        device = self._counts.result().device
+        if self._local_loss_sum is None:
+            return torch.zeros(1, dtype=torch.float64, device=device)
+        return self._local_loss_sum.to(device, non_blocking=True).reshape(1)
+
+    def _carry_loss_with(self, reduction: _Reduction) -> None:
+        self._carrier = reduction
+
+
+class _Step:
+    """The state of the optimizer step between ``begin()`` and ``end()``."""
+
+    def __init__(
+        self,
+        index: int,
+        weights: torch.Tensor,
+        counts: _Reduction,
+        weight_slot: int,
+        declared: tuple[bool, bool],
+    ) -> None:
+        self.index = index
+        self.declared = declared
+        self.weights = weights
+        self.counts = counts
+        self.weight_slot = weight_slot
+        self.next_microbatch = 0
+        self.missing_losses = 0
+        self.loss_sum: torch.Tensor | None = None
+        self._total: torch.Tensor | None = None
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.weights.shape[0]
+
+    def total(self) -> torch.Tensor:
+        """The global weight W as float64; waits for the count reduction the first time."""
+        if self._total is None:
+            self._total = self.counts.result()[self.weight_slot].to(torch.float64)
+        return self._total
+
+    def take_microbatch(self, caller: str) -> int:
+        if self.next_microbatch >= self.num_microbatches:
+            raise RuntimeError(
+                f"{caller}() was called for microbatch {self.next_microbatch + 1} of step "
+                f"{self.index}, but begin() declared {self.num_microbatches} microbatches; "
+                "declare one count per microbatch in begin()"
+            )
+        self.next_microbatch += 1
+        return self.next_microbatch - 1
+
+    def add_loss(self, contribution: torch.Tensor) -> None:
+        self.loss_sum = contribution if self.loss_sum is None else self.loss_sum + contribution
+
+
+class Accumulator:
+    """Weights each microbatch's loss so that an optimizer step optimises the global mean.
+
+    One step, on every data-parallel rank::
+
+        acc.begin(num_tokens=[...])         # this rank's count per microbatch
+        for batch in microbatches:
+            acc.scale_loss(loss_of(batch)).backward()
+        result = acc.end()                  # result.loss, .num_tokens, .is_empty
+
+    The gradient of the step, after the data-parallel wrapper has combined the ranks, is the
+    gradient of ``sum(w * l) / W`` (mean losses) or ``sum(l) / W`` (summed losses) over every
+    microbatch of every rank, where ``w`` is a microbatch's count and ``W`` the global count:
+    the same however the step's items are split into ranks and microbatches.
+
+    Args:
+        weight_by: which count weights a microbatch: ``"tokens"`` or ``"samples"``.
+        loss_reduction: whether each loss you pass is the ``"mean"`` or the ``"sum"`` of its
+            items' losses. ``"sum"`` is exact for empty microbatches whatever the loss; a
+            hand-written mean over zero items has a NaN backward of its own (docs/usage.md).
+        grad_reduction: how the data-parallel wrapper combines the ranks' gradients:
+            ``"mean"`` (DDP and FSDP by default), ``"sum"`` (e.g. FSDP2 with
+            ``set_gradient_divide_factor(1.0)``), or the number it divides their sum by.
+        group: the data-parallel ``torch.distributed`` process group to reduce the counts
+            over (default: the default group if torch.distributed is initialized, else none).
+            With tensor or context parallelism, pass the group of the data-parallel replicas.
+        collective: a :class:`Collective` to reduce with instead of a process group.
+        loss_logging: when the logged loss is reduced over the ranks: ``"on_read"`` (one
+            all-reduce the first time ``StepResult.loss`` is read) or ``"next_step"`` (carried
+            by the next step's count reduction, at no extra collective).
+    """
+
+    def __init__(
+        self,
+        *,
+        weight_by: WeightBy = "tokens",
+        loss_reduction: LossReduction = "mean",
+        grad_reduction: GradReduction | float = "mean",
+        group: dist.ProcessGroup | None = None,
+        collective: Collective | None = None,
+        loss_logging: LossLogging = "on_read",
+    ) -> None:
+        _check_choice("weight_by", weight_by, ("tokens", "samples"))
+        _check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
+        _check_choice("loss_logging", loss_logging, ("on_read", "next_step"))
+        _check_grad_reduction(grad_reduction)
+        if collective is not None and group is not None:
+            raise ValueError(
+                f"group={group!r} and collective={collective!r} were both given; pass one: "
+                "group for a torch.distributed process group, collective for anything else"
+            )
+        if collective is not None and not isinstance(collective, Collective):
+            raise TypeError(
+                f"collective={collective!r} is not a Collective; implement world_size, device, "
+                "can_reduce_on() and all_reduce_sum() (see lossweight.Collective)"
+            )
+        self.weight_by: WeightBy = weight_by
+        self.loss_reduction: LossReduction = loss_reduction
+        self.loss_logging: LossLogging = loss_logging
+        self.collective: Collective = (
+            collective if collective is not None else default_collective(group)
+        )
+        self.divisor = weighting.gradient_divisor(grad_reduction, self.collective.world_size)
+        self._weight_slot = _TOKENS if weight_by == "tokens" else _SAMPLES
+        self._step: _Step | None = None
+        self._steps_begun = 0
+        self._previous: StepResult | None = None
+
+    def begin(self, *, num_samples: Counts | None = None, num_tokens: Counts | None = None) -> None:
+        """Open an optimizer step and start reducing its counts over the ranks.
+
+        Pass this rank's counts, one per microbatch it will run in this step (none is fine): a
+        1-D integer tensor, or a sequence of ints or 0-dim integer tensors. The count named by
+        ``weight_by`` is required; the other is optional and only reported. Tensors stay on
+        their device, which the collective must be able to reduce on (CUDA for NCCL, CPU for
+        gloo); Python ints are placed on the collective's device. One all-reduce starts here
+        and overlaps whatever runs until the first scale is needed.
+        """
+        if self._step is not None:
+            raise RuntimeError(
+                f"begin() was called while step {self._step.index} is still open; call end() "
+                "to close it first"
+            )
+        weight_name = f"num_{self.weight_by}"
+        given = {"num_samples": num_samples, "num_tokens": num_tokens}
+        if given[weight_name] is None:
+            raise ValueError(
+                f"{weight_name}=None, but weight_by={self.weight_by!r} weights each microbatch "
+                f"by it; pass {weight_name}=[one count per microbatch]"
+            )
+        counts = {
+            name: _as_counts(name, value) for name, value in given.items() if value is not None
+        }
+        lengths = {name: len(value.values) for name, value in counts.items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(
+                f"num_samples has {lengths['num_samples']} counts but num_tokens has "
+                f"{lengths['num_tokens']}; give both one count per microbatch"
+            )
+        device = self._counts_device(counts)
+        totals = [
+            counts[name].values.to(device, non_blocking=True).sum()
+            if name in counts
+            else torch.zeros((), dtype=torch.int64, device=device)
+            for name in ("num_samples", "num_tokens")
+        ]
+        payload = torch.stack(totals)
+        if self.loss_logging == "next_step":
+            # float64 holds every count below 2**53 exactly, so the counts are not rounded.
+            previous = self._previous
+            carried = (
+                previous._loss_sum_to_send()
+                if previous is not None and previous._loss is None
+                else torch.zeros(1, dtype=torch.float64, device=device)
+            )
+            payload = torch.cat([payload.to(torch.float64), carried])
+        reduction = _Reduction(self.collective, payload)
+        if self.loss_logging == "next_step" and self._previous is not None:
+            self._previous._carry_loss_with(reduction)
+        self._steps_begun += 1
+        self._step = _Step(
+            index=self._steps_begun,
+            weights=counts[weight_name].values.to(device, non_blocking=True),
+            counts=reduction,
+            weight_slot=self._weight_slot,
+            declared=("num_samples" in counts, "num_tokens" in counts),
+        )
+
+    def backward_scale(self) -> torch.Tensor:
+        """The factor to multiply the next microbatch's loss by before ``backward()``.
+
+        ``w * D / W`` for mean losses, ``D / W`` for summed ones (``D``: ``self.divisor``); 0
+        for every microbatch of an empty step. A 0-dim float64 tensor on the counts' device.
+        Each call takes the next declared microbatch. Prefer :meth:`scale_loss`, which also
+        records the loss for the logged value and keeps an empty microbatch's NaN mean out of
+        the gradients.
+        """
+        step = self._open_step("backward_scale")
+        index = step.take_microbatch("backward_scale")
+        step.missing_losses += 1
+        return self._scale_of(step, index)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the next microbatch's factor, ready for ``backward()``.
+
+        ``loss`` is this microbatch's loss: a 0-dim floating-point tensor, the mean or the sum
+        (per ``loss_reduction``) of its items' losses. A microbatch of weight 0 contributes
+        exactly nothing: its loss is replaced by 0 (value and gradient), so the NaN of a mean
+        over zero items reaches neither the logged loss nor the gradients through here. Its
+        detached value is recorded for ``StepResult.loss``.
+        """
+        _check_loss(loss)
+        step = self._open_step("scale_loss")
+        index = step.take_microbatch("scale_loss")
+        weight = step.weights[index].to(loss.device, non_blocking=True)
+        guarded = torch.where(weight > 0, loss, 0.0)
+        step.add_loss(
+            weighting.loss_contribution(
+                guarded.detach().to(torch.float64), weight, self.loss_reduction
+            )
+        )
+        scale = self._scale_of(step, index).to(
+            device=loss.device,
+            dtype=torch.promote_types(loss.dtype, torch.float32),
+            non_blocking=True,
+        )
+        return guarded * scale
+
+    def end(self) -> StepResult:
+        """Close the step and return what it reports (see :class:`StepResult`).
+
+        Call it on every rank after the step's last backward, before ``optimizer.step()``.
+        """
+        step = self._open_step("end")
+        if step.next_microbatch != step.num_microbatches:
+            raise RuntimeError(
+                f"end() was called after {step.next_microbatch} of the "
+                f"{step.num_microbatches} microbatches that begin() declared for step "
+                f"{step.index}; scale every declared microbatch, or declare fewer"
+            )
+        self._step = None
+        result = StepResult(
+            counts=step.counts,
+            weight_slot=step.weight_slot,
+            declared=step.declared,
+            loss_sum=step.loss_sum,
+            collective=self.collective,
+            missing_losses=step.missing_losses,
+        )
+        self._previous = result
+        return result
+
+    def _scale_of(self, step: _Step, index: int) -> torch.Tensor:
+        return weighting.backward_scale(
+            step.weights[index].to(torch.float64),
+            step.total(),
+            self.divisor,
+            self.loss_reduction,
+        )
+
+    def _open_step(self, caller: str) -> _Step:
+        if self._step is None:
+            when = (
+                "before the first begin()"
+                if self._steps_begun == 0
+                else f"after end() closed step {self._steps_begun}"
+            )
+            raise RuntimeError(
+                f"{caller}() was called {when}; call begin(num_{self.weight_by}=[...]) to open "
+                "a step first"
+            )
+        return self._step
+
+    def _counts_device(self, counts: dict[str, _Counts]) -> torch.device:
+        """The device the step's counts are reduced on, checked against the collective."""
+        placed = {name: c.values.device for name, c in counts.items() if not c.from_ints}
+        if len(set(placed.values())) > 1:
+            raise ValueError(
+                f"the counts are on different devices ({placed}); put num_samples and "
+                "num_tokens on one device"
+            )
+        if not placed:
+            return self.collective.device
+        name, device = next(iter(placed.items()))
+        if not self.collective.can_reduce_on(device):
+            raise ValueError(
+                f"{name} is on {device}, where the collective cannot reduce (it reduces on "
+                f"{self.collective.device.type}); pass {name} on {self.collective.device}, or "
+                "as Python ints"
+            )
+        return device
+
+
+class _Counts(NamedTuple):
+    """One count per microbatch, as int64; ``from_ints`` when built from Python ints, which
+    may then be moved to whichever device the collective needs."""
+
+    values: torch.Tensor
+    from_ints: bool
+
+
+def _as_counts(name: str, value: Counts) -> _Counts:
+    """Check the counts the user passed and turn them into an int64 tensor."""
+    if isinstance(value, torch.Tensor):
+        _check_count_tensor(name, value, 1, "pass one count per microbatch, as a 1-D tensor")
+        return _Counts(value.to(torch.int64), from_ints=False)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"{name}={value!r} is not a sequence of counts; pass one count per microbatch, as "
+            "a 1-D integer tensor or a list of ints"
+        )
+    tensors = []
+    for index, count in enumerate(value):
+        item = f"{name}[{index}]"
+        if isinstance(count, torch.Tensor):
+            _check_count_tensor(item, count, 0, "each count must be a 0-dim tensor or an int")
+            tensors.append(count)
+        elif isinstance(count, bool) or not isinstance(count, numbers.Integral):
+            raise TypeError(
+                f"{item}={count!r} is not an integer count; counts are numbers of samples or "
+                "tokens: pass ints, or an integer tensor"
+            )
+        elif count < 0:
+            raise ValueError(
+                f"{item}={count} is negative; counts are numbers of samples or tokens, 0 or more"
+            )
+    if not tensors:
+        return _Counts(torch.tensor(list(value), dtype=torch.int64), from_ints=True)
+    device = tensors[0].device
+    if any(tensor.device != device for tensor in tensors):
+        raise ValueError(f"the tensors in {name} are on different devices; put them on one")
+    return _Counts(
+        torch.stack(
+            [
+                count.to(torch.int64)
+                if isinstance(count, torch.Tensor)
+                else torch.full((), int(count), dtype=torch.int64, device=device)
+                for count in value
+            ]
+        ),
+        from_ints=False,
+    )
+
+
+def _check_count_tensor(name: str, counts: torch.Tensor, dim: int, shape_rule: str) -> None:
+    """Check the shape, dtype and sign of counts given as a tensor."""
+    if counts.dim() != dim:
+        raise ValueError(f"{name} is a tensor of shape {tuple(counts.shape)}; {shape_rule}")
+    if counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
+        raise TypeError(
+            f"{name} has dtype {counts.dtype}, but counts must be integers; pass an integer "
+            "tensor (e.g. mask.sum(-1), which is int64) or Python ints"
+        )
+    # Checked where the counts live, without reading them back: on the CPU this raises
+    # RuntimeError at once; on an accelerator the failure surfaces at the next host sync.
+    torch._assert_async(
+        (counts >= 0).all(),
+        f"{name} holds a negative count; counts are numbers of samples or tokens, 0 or more",
+    )
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        options = " or ".join(repr(choice) for choice in choices)
+        raise ValueError(f"{name}={value!r} is not supported; pass {options}")
+
+
+def _check_grad_reduction(value: object) -> None:
+    if value in ("mean", "sum"):
+        return
+    is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if is_number and 0 < float(value) < math.inf:  # type: ignore[arg-type]
+        return
+    raise ValueError(
+        f"grad_reduction={value!r} is not supported; pass 'mean' (the wrapper averages the "
+        "ranks' gradients, as DDP and FSDP do), 'sum', or the positive number it divides "
+        "their sum by"
+    )
+
+
+def _check_loss(loss: object) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss={loss!r} is not a tensor; pass the microbatch's loss tensor")
+    if loss.dim() != 0:
+        raise ValueError(
+            f"loss has shape {tuple(loss.shape)}, but it must be a scalar (0-dim) tensor; "
+            "reduce it to the mean or the sum of its items first"
+        )
+    if not loss.is_floating_point():
+        raise TypeError(f"loss has dtype {loss.dtype}; pass a floating-point loss")

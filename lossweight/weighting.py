@@ -1,0 +1,93 @@
+"""The weighting math of one optimizer step, with no dependencies.
+
+This module imports nothing, not even the rest of lossweight: copy it alone into another
+project, or property-test it without torch. ``docs/math.md`` derives every formula.
+
+Notation, for one optimizer step:
+
+- ``weight``: the weight ``w`` of one microbatch, the number of items its loss covers
+  (samples, or loss-generating tokens).
+- ``total``: the global weight ``W``, the sum of ``w`` over every microbatch of every
+  data-parallel rank in the step.
+- ``divisor``: ``D``, what the data-parallel wrapper divides the summed gradients of the ranks
+  by (the number of ranks for DDP and FSDP, 1 for a summing wrapper).
+- ``loss_reduction``: whether the loss ``l`` of a microbatch is the mean or the sum of its
+  items' losses.
+
+Every function is branch-free arithmetic. It takes Python numbers, and takes torch tensors just
+as well: then it works element-wise on the tensors' device and never reads a value back to the
+host, so the library's hot path calls these same functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol
+
+LossReduction = Literal["mean", "sum"]
+GradReduction = Literal["mean", "sum"]
+
+
+class Quantity(Protocol):
+    """A Python number, or anything with the same arithmetic (a torch tensor)."""
+
+    def __add__(self, other: Any, /) -> Any: ...
+    def __mul__(self, other: Any, /) -> Any: ...
+    def __truediv__(self, other: Any, /) -> Any: ...
+    def __rtruediv__(self, other: Any, /) -> Any: ...
+
+
+def nonzero_total(total: Quantity) -> Any:
+    """``total``, or 1 where ``total`` is 0.
+
+    Dividing by this instead of ``total`` keeps an empty step finite: every weight of an empty
+    step is 0, so its scale factors and its weighted mean come out 0 instead of 0/0. For integer
+    counts it changes nothing else, since a non-empty total is at least 1. It is written as
+    ``total + (total == 0)`` rather than ``max(total, 1)`` so that a tensor never has its value
+    read by Python.
+    """
+    return total + (total == 0)
+
+
+def gradient_divisor(grad_reduction: GradReduction | float, world_size: int) -> float:
+    """``D``: what the data-parallel wrapper divides the ranks' summed gradients by.
+
+    ``"mean"`` (DDP, FSDP) divides by the number of ranks, ``"sum"`` by 1, and a number is
+    the divisor itself.
+    """
+    if grad_reduction == "mean":
+        return float(world_size)
+    if grad_reduction == "sum":
+        return 1.0
+    return float(grad_reduction)
+
+
+def backward_scale(
+    weight: Quantity, total: Quantity, divisor: float, loss_reduction: LossReduction
+) -> Any:
+    """The factor ``s`` to back-propagate a microbatch's loss with.
+
+    ``s = w * D / W`` for a mean loss and ``s = D / W`` for a summed one, so that the gradients
+    of all microbatches of all ranks, summed and divided by ``D``, are the gradient of the
+    step's weighted mean loss. Zero when the step is empty.
+    """
+    if loss_reduction == "mean":
+        return weight * divisor / nonzero_total(total)
+    return divisor / nonzero_total(total)
+
+
+def loss_contribution(loss: Quantity, weight: Quantity, loss_reduction: LossReduction) -> Any:
+    """A microbatch's term in the numerator of the step's weighted mean loss.
+
+    ``w * l`` for a mean loss (the sum of its items' losses), ``l`` itself for a summed one.
+    """
+    if loss_reduction == "mean":
+        return weight * loss
+    return loss
+
+
+def weighted_mean(loss_sum: Quantity, total: Quantity) -> Any:
+    """The step's loss ``L``: the global sum of loss contributions over the global weight.
+
+    Zero when the step is empty.
+    """
+    return loss_sum / nonzero_total(total)

@@ -1,0 +1,232 @@
+"""What each process of the multi-process tests runs (see test_distributed.py).
+
+Every rank builds the same global batch and the same model, runs one optimizer step on its own
+share of the rows under a real data-parallel wrapper (DDP or FSDP2) over a gloo process group,
+compares its gradients with the single-process full-batch reference, and writes what it saw to
+a JSON file that the test process checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from lossweight import Accumulator
+
+from .problem import IGNORE, Batch, make_batch, make_model, microbatch_loss, reference, split
+
+# Every torch.distributed function a trainer or wrapper may issue a collective with.
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
+
+
+@contextlib.contextmanager
+def counting_collectives() -> Iterator[Counter[str]]:
+    """Count the calls of torch.distributed's collectives; each call still runs for real."""
+    counts: Counter[str] = Counter()
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counted(name: str):
+        original = originals[name]
+
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counted(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def layout(world_size: int, weight_by: str) -> list[list[int]]:
+    """Rows per microbatch per rank: uneven, with an empty microbatch, and rank 1 holding no
+    weight (all-padding rows when weighting by tokens, no rows when weighting by samples)."""
+    zero_weight_rank = [2] if weight_by == "tokens" else [0]
+    if world_size == 2:
+        return [[3, 0, 2], zero_weight_rank]
+    return [[2, 0, 3], zero_weight_rank, [2, 2], [1, 1, 1, 1]]
+
+
+def global_batch(world_size: int, weight_by: str, seed: int) -> tuple[Batch, list[list[int]]]:
+    sizes = layout(world_size, weight_by)
+    rows = sum(map(sum, sizes))
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 9, (rows,), generator=generator).tolist()
+    batch = make_batch(lengths, max_length=8, seed=seed, left_padding=bool(seed % 2))
+    if weight_by == "tokens":
+        start, stop = split(rows, [sum(s) for s in sizes])[1]
+        batch.labels[start:stop] = IGNORE
+    return batch, sizes
+
+
+def wrap(model: torch.nn.Module, wrapper: str, world_size: int, grad_reduction: str):
+    if wrapper == "ddp":
+        return DistributedDataParallel(model)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if grad_reduction == "sum":  # sum the ranks' gradients instead of averaging them
+        for module in (model[0], model[2], model):
+            module.set_gradient_divide_factor(1.0)
+    return model
+
+
+def microbatch_context(model: torch.nn.Module, wrapper: str, last: bool):
+    """Skip the gradient reduction on all but the last microbatch of the step."""
+    if wrapper == "ddp":
+        return contextlib.nullcontext() if last else model.no_sync()
+    model.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
+
+
+def full_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    grads = []
+    for p in model.parameters():
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        grads.append(grad.full_tensor() if hasattr(grad, "full_tensor") else grad)
+    return grads
+
+
+def run_step(model, wrapper, microbatches, weight_by, loss_reduction, acc=None):
+    """One step; with ``acc`` None, the plain ``loss / accumulation_steps`` of most loops."""
+    if acc is not None:
+        acc.begin(
+            num_samples=[mb.num_samples for mb in microbatches],
+            num_tokens=[mb.num_tokens for mb in microbatches],
+        )
+    for i, mb in enumerate(microbatches):
+        with microbatch_context(model, wrapper, last=i == len(microbatches) - 1):
+            loss = microbatch_loss(model, mb, weight_by, loss_reduction)
+            if acc is None:
+                loss = torch.nan_to_num(loss) / len(microbatches)
+            else:
+                loss = acc.scale_loss(loss)
+            loss.backward()
+    return acc.end() if acc is not None else None
+
+
+def scenario(rank: int, world_size: int, wrapper: str, config: dict) -> dict:
+    weight_by, loss_reduction = config["weight_by"], config["loss_reduction"]
+    grad_reduction, loss_logging = config["grad_reduction"], config["loss_logging"]
+    batch, sizes = global_batch(world_size, weight_by, seed=config["seed"])
+    base = make_model(config["seed"])
+    expected_loss, expected_grads = reference(base, batch, weight_by)
+    start, stop = split(batch.num_samples, [sum(s) for s in sizes])[rank]
+    mine = batch.rows(start, stop)
+    my_sizes = sizes[rank]
+    if wrapper == "fsdp":
+        # FSDP2 all-gathers the parameters in every forward, so every rank must run as many
+        # microbatches as the others: a rank with fewer rows runs empty ones.
+        my_sizes = my_sizes + [0] * (max(map(len, sizes)) - len(my_sizes))
+    microbatches = [mine.rows(a, b) for a, b in split(stop - start, my_sizes)]
+
+    # The same step without lossweight: what the wrapper itself communicates.
+    plain = wrap(copy.deepcopy(base), wrapper, world_size, grad_reduction)
+    with counting_collectives() as plain_calls:
+        run_step(plain, wrapper, microbatches, weight_by, loss_reduction)
+
+    model = wrap(copy.deepcopy(base), wrapper, world_size, grad_reduction)
+    acc = Accumulator(
+        weight_by=weight_by,
+        loss_reduction=loss_reduction,
+        grad_reduction=grad_reduction,
+        loss_logging=loss_logging,
+    )
+    with counting_collectives() as calls:
+        result = run_step(model, wrapper, microbatches, weight_by, loss_reduction, acc)
+    grads = full_gradients(model)
+    with counting_collectives() as read_calls:
+        logged = result.loss.item()
+    error = max(float((g - e).abs().max()) for g, e in zip(grads, expected_grads, strict=True))
+    scale = max(float(e.abs().max()) for e in expected_grads)
+    plain_grads = full_gradients(plain)
+    plain_error = max(
+        float((g - e).abs().max()) for g, e in zip(plain_grads, expected_grads, strict=True)
+    )
+    return {
+        "relative_error": error / scale,
+        "plain_relative_error": plain_error / scale,
+        "logged_loss": logged,
+        "expected_loss": expected_loss,
+        "num_tokens": int(result.num_tokens),
+        "expected_tokens": int(batch.num_tokens),
+        "num_samples": int(result.num_samples),
+        "step_collectives": dict(calls),
+        "plain_collectives": dict(plain_calls),
+        "read_collectives": dict(read_calls),
+    }
+
+
+CONFIGS = {
+    name: dict(
+        weight_by=weight_by,
+        loss_reduction=loss_reduction,
+        grad_reduction=grad_reduction,
+        loss_logging=loss_logging,
+        seed=seed,
+    )
+    for name, weight_by, loss_reduction, grad_reduction, loss_logging, seed in [
+        ("tokens-sum", "tokens", "sum", "mean", "on_read", 1),
+        ("tokens-mean", "tokens", "mean", "mean", "next_step", 2),
+        ("samples-mean", "samples", "mean", "mean", "on_read", 3),
+        ("tokens-sum-gradsum", "tokens", "sum", "sum", "on_read", 4),
+    ]
+}
+SCENARIOS = [
+    (wrapper, name)
+    for wrapper in ("ddp", "fsdp")
+    for name in CONFIGS
+    if not (wrapper == "ddp" and CONFIGS[name]["grad_reduction"] == "sum")  # DDP averages
+]
+
+
+def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    try:
+        results = {
+            f"{wrapper}/{name}": scenario(rank, world_size, wrapper, CONFIGS[name])
+            for wrapper, name in SCENARIOS
+        }
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))

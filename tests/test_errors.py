@@ -1,0 +1,202 @@
+"""Every error the Accumulator raises at its boundary, matched by its message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lossweight import Accumulator
+
+from .ranks import ThreadGroup
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        (
+            {"weight_by": "rows"},
+            ValueError,
+            r"weight_by='rows' is not supported; pass 'tokens' or 'samples'",
+        ),
+        (
+            {"loss_reduction": "avg"},
+            ValueError,
+            r"loss_reduction='avg' is not supported; pass 'mean' or 'sum'",
+        ),
+        ({"loss_logging": "never"}, ValueError, r"loss_logging='never' is not supported"),
+        (
+            {"grad_reduction": "max"},
+            ValueError,
+            r"grad_reduction='max' is not supported; pass 'mean'",
+        ),
+        ({"grad_reduction": -2.0}, ValueError, r"grad_reduction=-2.0 is not supported"),
+        ({"grad_reduction": 0}, ValueError, r"grad_reduction=0 is not supported"),
+        ({"grad_reduction": float("inf")}, ValueError, r"grad_reduction=inf is not supported"),
+        ({"grad_reduction": float("nan")}, ValueError, r"grad_reduction=nan is not supported"),
+        ({"grad_reduction": True}, ValueError, r"grad_reduction=True is not supported"),
+        (
+            {"collective": object()},
+            TypeError,
+            r"collective=<object .*> is not a Collective; implement",
+        ),
+        (
+            {"group": object()},
+            ValueError,
+            r"torch.distributed is not initialized; call torch.distributed.init_process_group\(\)",
+        ),
+    ],
+)
+def test_bad_options(options: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        Accumulator(**options)
+
+
+def test_group_and_collective_together() -> None:
+    with pytest.raises(ValueError, match=r"were both given; pass one"):
+        Accumulator(group=object(), collective=ThreadGroup(1).collective(0))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("counts", "error", "message"),
+    [
+        (
+            [3, -1],
+            ValueError,
+            r"num_tokens\[1\]=-1 is negative; counts are numbers of samples or tokens",
+        ),
+        (
+            [2.5],
+            TypeError,
+            r"num_tokens\[0\]=2.5 is not an integer count; .* pass ints, or an integer tensor",
+        ),
+        ([float("nan")], TypeError, r"num_tokens\[0\]=nan is not an integer count"),
+        ([float("inf")], TypeError, r"num_tokens\[0\]=inf is not an integer count"),
+        ([True], TypeError, r"num_tokens\[0\]=True is not an integer count"),
+        (
+            torch.tensor([1.0, 2.0]),
+            TypeError,
+            r"num_tokens has dtype torch.float32, but counts must be integers",
+        ),
+        (
+            torch.tensor([True]),
+            TypeError,
+            r"num_tokens has dtype torch.bool, but counts must be integers",
+        ),
+        ([torch.tensor(2.0)], TypeError, r"num_tokens\[0\] has dtype torch.float32"),
+        (
+            torch.tensor([[1, 2]]),
+            ValueError,
+            r"num_tokens is a tensor of shape \(1, 2\); pass one count per microbatch, as a 1-D tensor",
+        ),
+        (
+            [torch.tensor([1, 2])],
+            ValueError,
+            r"num_tokens\[0\] is a tensor of shape \(2,\); each count must be a 0-dim",
+        ),
+        (torch.tensor([4, -3]), RuntimeError, r"num_tokens holds a negative count"),
+        ([torch.tensor(-3)], RuntimeError, r"num_tokens\[0\] holds a negative count"),
+        (7, TypeError, r"num_tokens=7 is not a sequence of counts; pass one count per microbatch"),
+        ("12", TypeError, r"num_tokens='12' is not a sequence of counts"),
+    ],
+)
+def test_bad_counts(counts: object, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        Accumulator().begin(num_tokens=counts)  # type: ignore[arg-type]
+
+
+def test_the_weighting_count_is_required() -> None:
+    with pytest.raises(ValueError, match=r"num_samples=None, but weight_by='samples' weights"):
+        Accumulator(weight_by="samples").begin(num_tokens=[3])
+
+
+def test_counts_of_different_lengths() -> None:
+    with pytest.raises(ValueError, match=r"num_samples has 2 counts but num_tokens has 3"):
+        Accumulator().begin(num_samples=[1, 1], num_tokens=[1, 2, 3])
+
+
+def test_counts_on_a_device_the_collective_cannot_reduce() -> None:
+    # This collective reduces CPU tensors only (as gloo does); "meta" stands for any other.
+    acc = Accumulator(collective=ThreadGroup(1).collective(0))
+    with pytest.raises(
+        ValueError,
+        match=r"num_tokens is on meta, where the collective cannot reduce \(it reduces on cpu\); pass num_tokens on cpu, or as Python ints",
+    ):
+        acc.begin(num_tokens=torch.ones(2, dtype=torch.int64, device="meta"))
+
+
+def test_counts_on_different_devices() -> None:
+    with pytest.raises(ValueError, match=r"the counts are on different devices"):
+        Accumulator().begin(
+            num_tokens=torch.ones(1, dtype=torch.int64),
+            num_samples=torch.ones(1, dtype=torch.int64, device="meta"),
+        )
+
+
+def test_scaling_more_microbatches_than_declared() -> None:
+    acc = Accumulator()
+    acc.begin(num_tokens=[4])
+    acc.scale_loss(torch.tensor(1.0))
+    with pytest.raises(
+        RuntimeError,
+        match=r"scale_loss\(\) was called for microbatch 2 of step 1, but begin\(\) declared 1 microbatches",
+    ):
+        acc.scale_loss(torch.tensor(1.0))
+    with pytest.raises(RuntimeError, match=r"backward_scale\(\) was called for microbatch 2"):
+        acc.backward_scale()
+
+
+def test_ending_before_every_declared_microbatch_was_scaled() -> None:
+    acc = Accumulator()
+    acc.begin(num_tokens=[4, 4, 4])
+    acc.scale_loss(torch.tensor(1.0))
+    with pytest.raises(
+        RuntimeError,
+        match=r"end\(\) was called after 1 of the 3 microbatches that begin\(\) declared for step 1",
+    ):
+        acc.end()
+
+
+def test_scaling_outside_a_step() -> None:
+    acc = Accumulator()
+    with pytest.raises(
+        RuntimeError,
+        match=r"backward_scale\(\) was called before the first begin\(\); call begin\(num_tokens=\[...\]\)",
+    ):
+        acc.backward_scale()
+    with pytest.raises(RuntimeError, match=r"end\(\) was called before the first begin\(\)"):
+        acc.end()
+    acc.begin(num_tokens=[1])
+    acc.scale_loss(torch.tensor(1.0))
+    acc.end()
+    with pytest.raises(
+        RuntimeError, match=r"scale_loss\(\) was called after end\(\) closed step 1"
+    ):
+        acc.scale_loss(torch.tensor(1.0))
+
+
+def test_beginning_a_step_while_one_is_open() -> None:
+    acc = Accumulator()
+    acc.begin(num_tokens=[1])
+    with pytest.raises(
+        RuntimeError, match=r"begin\(\) was called while step 1 is still open; call end\(\)"
+    ):
+        acc.begin(num_tokens=[1])
+
+
+@pytest.mark.parametrize(
+    ("loss", "error", "message"),
+    [
+        (
+            torch.ones(4),
+            ValueError,
+            r"loss has shape \(4,\), but it must be a scalar \(0-dim\) tensor; reduce it",
+        ),
+        (torch.tensor(3), TypeError, r"loss has dtype torch.int64; pass a floating-point loss"),
+        (1.5, TypeError, r"loss=1.5 is not a tensor"),
+    ],
+)
+def test_bad_losses(loss: object, error: type, message: str) -> None:
+    acc = Accumulator()
+    acc.begin(num_tokens=[1])
+    with pytest.raises(error, match=message):
+        acc.scale_loss(loss)  # type: ignore[arg-type]
