@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -349,10 +349,10 @@ class Accumulator:
 
         Pass this rank's counts, one per microbatch it will run in this step (none is fine): a
         1-D integer tensor, or a sequence of ints or 0-dim integer tensors. The count named by
-        ``weight_by`` is required; the other is optional and only reported. Tensors stay on
-        their device, which the collective must be able to reduce on (CUDA for NCCL, CPU for
-        gloo); Python ints are placed on the collective's device. One all-reduce starts here
-        and overlaps whatever runs until the first scale is needed.
+        ``weight_by`` is required; the other is optional and only reported. Counts on the CPU,
+        Python ints included, are copied to the collective's device (CUDA for NCCL) without
+        blocking; counts on an accelerator stay there, and the collective must reduce on it.
+        One all-reduce starts here and overlaps whatever runs until the first scale is needed.
         """
         if self._step is not None:
             raise RuntimeError(
@@ -369,7 +369,7 @@ class Accumulator:
         counts = {
             name: _as_counts(name, value) for name, value in given.items() if value is not None
         }
-        lengths = {name: len(value.values) for name, value in counts.items()}
+        lengths = {name: len(value) for name, value in counts.items()}
         if len(set(lengths.values())) > 1:
             raise ValueError(
                 f"num_samples has {lengths['num_samples']} counts but num_tokens has "
@@ -377,7 +377,7 @@ class Accumulator:
             )
         device = self._counts_device(counts)
         totals = [
-            counts[name].values.to(device, non_blocking=True).sum()
+            counts[name].to(device, non_blocking=True).sum()
             if name in counts
             else torch.zeros((), dtype=torch.int64, device=device)
             for name in ("num_samples", "num_tokens")
@@ -398,7 +398,7 @@ class Accumulator:
         self._steps_begun += 1
         self._step = _Step(
             index=self._steps_begun,
-            weights=counts[weight_name].values.to(device, non_blocking=True),
+            weights=counts[weight_name].to(device, non_blocking=True),
             counts=reduction,
             weight_slot=self._weight_slot,
             declared=("num_samples" in counts, "num_tokens" in counts),
@@ -489,39 +489,42 @@ class Accumulator:
             )
         return self._step
 
-    def _counts_device(self, counts: dict[str, _Counts]) -> torch.device:
-        """The device the step's counts are reduced on, checked against the collective."""
-        placed = {name: c.values.device for name, c in counts.items() if not c.from_ints}
-        if len(set(placed.values())) > 1:
-            raise ValueError(
-                f"the counts are on different devices ({placed}); put num_samples and "
-                "num_tokens on one device"
-            )
-        if not placed:
+    def _counts_device(self, counts: dict[str, torch.Tensor]) -> torch.device:
+        """The device the step's counts are reduced on, checked against the collective.
+
+        Counts on the CPU (Python ints included) go to the collective's device with a
+        non-blocking copy. Counts on an accelerator stay where they are, since moving them
+        elsewhere would wait for the device, so the collective must reduce there.
+        """
+        device = _accelerator_of("num_samples and num_tokens", [c.device for c in counts.values()])
+        if device.type == "cpu":
             return self.collective.device
-        name, device = next(iter(placed.items()))
         if not self.collective.can_reduce_on(device):
+            name = next(name for name, c in counts.items() if c.device == device)
             raise ValueError(
                 f"{name} is on {device}, where the collective cannot reduce (it reduces on "
-                f"{self.collective.device.type}); pass {name} on {self.collective.device}, or "
-                "as Python ints"
+                f"{self.collective.device.type}); pass {name} on the CPU (Python ints or a CPU "
+                f"tensor), or reduce over a group whose backend handles {device.type} tensors"
             )
         return device
 
 
-class _Counts(NamedTuple):
-    """One count per microbatch, as int64; ``from_ints`` when built from Python ints, which
-    may then be moved to whichever device the collective needs."""
+def _accelerator_of(what: str, devices: list[torch.device]) -> torch.device:
+    """The one non-CPU device among ``devices``, or the CPU if there is none."""
+    accelerators = {device for device in devices if device.type != "cpu"}
+    if len(accelerators) > 1:
+        raise ValueError(
+            f"{what} are on different devices ({sorted(map(str, accelerators))}); put the "
+            "counts on one device, or on the CPU"
+        )
+    return accelerators.pop() if accelerators else torch.device("cpu")
 
-    values: torch.Tensor
-    from_ints: bool
 
-
-def _as_counts(name: str, value: Counts) -> _Counts:
+def _as_counts(name: str, value: Counts) -> torch.Tensor:
     """Check the counts the user passed and turn them into an int64 tensor."""
     if isinstance(value, torch.Tensor):
         _check_count_tensor(name, value, 1, "pass one count per microbatch, as a 1-D tensor")
-        return _Counts(value.to(torch.int64), from_ints=False)
+        return value.to(torch.int64)
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(
             f"{name}={value!r} is not a sequence of counts; pass one count per microbatch, as "
@@ -543,20 +546,15 @@ def _as_counts(name: str, value: Counts) -> _Counts:
                 f"{item}={count} is negative; counts are numbers of samples or tokens, 0 or more"
             )
     if not tensors:
-        return _Counts(torch.tensor(list(value), dtype=torch.int64), from_ints=True)
-    device = tensors[0].device
-    if any(tensor.device != device for tensor in tensors):
-        raise ValueError(f"the tensors in {name} are on different devices; put them on one")
-    return _Counts(
-        torch.stack(
-            [
-                count.to(torch.int64)
-                if isinstance(count, torch.Tensor)
-                else torch.full((), int(count), dtype=torch.int64, device=device)
-                for count in value
-            ]
-        ),
-        from_ints=False,
+        return torch.tensor(list(value), dtype=torch.int64)
+    device = _accelerator_of(f"the tensors in {name}", [tensor.device for tensor in tensors])
+    return torch.stack(
+        [
+            count.to(device, torch.int64, non_blocking=True)
+            if isinstance(count, torch.Tensor)
+            else torch.full((), int(count), dtype=torch.int64, device=device)
+            for count in value
+        ]
     )
 
 

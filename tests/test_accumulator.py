@@ -322,3 +322,26 @@ def test_the_hot_path_reads_no_tensor_back_to_the_host(monkeypatch: pytest.Monke
             result = acc.end()
             torch.stack([result.loss, result.num_tokens, result.is_empty])
     assert reads == []
+
+
+def test_cpu_counts_go_to_the_collective_device() -> None:
+    # A collective that reduces on "meta" only: CPU counts (ints or tensors) are moved there.
+    class MetaCollective:
+        world_size = 1
+        device = torch.device("meta")
+
+        def can_reduce_on(self, device: torch.device) -> bool:
+            return device.type == "meta"
+
+        def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+            assert tensor.device.type == "meta"
+
+    acc = Accumulator(collective=MetaCollective())
+    acc.begin(num_tokens=torch.tensor([3, 1]), num_samples=[1, 1])
+    assert acc.backward_scale().device.type == "meta"
+
+
+def test_cpu_items_join_the_accelerator_items_of_a_list() -> None:
+    acc = Accumulator()
+    acc.begin(num_tokens=[torch.tensor(3, device="meta"), torch.tensor(1), 2])
+    assert acc.backward_scale().device.type == "meta"
