@@ -10,6 +10,15 @@ The dependency-free math is in :mod:`lossweight.weighting`.
 """
 
 from lossweight.accumulator import Accumulator, Collective, StepResult, Waitable
+from lossweight.counting import count_tokens, count_tokens_per_row, token_cross_entropy
 
-__all__ = ["Accumulator", "Collective", "StepResult", "Waitable"]
+__all__ = [
+    "Accumulator",
+    "Collective",
+    "StepResult",
+    "Waitable",
+    "count_tokens",
+    "count_tokens_per_row",
+    "token_cross_entropy",
+]
 __version__ = "0.1.0"
