@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
@@ -20,7 +21,8 @@ from lossweight.weighting import GradReduction, LossReduction
 
 WeightBy = Literal["samples", "tokens"]
 LossLogging = Literal["on_read", "next_step"]
-Counts = torch.Tensor | Sequence[int | torch.Tensor]
+Count = int | torch.Tensor
+Counts = torch.Tensor | Sequence[Count]
 
 
 @runtime_checkable
@@ -143,8 +145,10 @@ class _Reduction:
         return self._payload
 
 
-# Where each number sits in the payload reduced at the start of a step.
-_SAMPLES, _TOKENS, _PREVIOUS_LOSS = 0, 1, 2
+# Where each number sits in the payload a step reduces: the step's two count totals, then, when
+# losses travel with them, the previous step's loss sum (loss_logging="next_step") and this
+# step's own (scale-after steps).
+_SAMPLES, _TOKENS, _PREVIOUS_LOSS, _OWN_LOSS = 0, 1, 2, 3
 
 
 class StepResult:
@@ -159,27 +163,29 @@ class StepResult:
         counts: _Reduction,
         weight_slot: int,
         declared: tuple[bool, bool],
-        loss_sum: torch.Tensor | None,
+        local_loss_sum: torch.Tensor | None,
         collective: Collective,
         missing_losses: int,
+        loss_slot: int | None,
     ) -> None:
         self._counts = counts
         self._weight_slot = weight_slot
         self._declared = declared
-        self._local_loss_sum = loss_sum
+        self._local_loss_sum = local_loss_sum
         self._collective = collective
         self._missing_losses = missing_losses
+        # The reduction that carries the global loss sum, and where; None until one does.
+        self._loss_source = None if loss_slot is None else (counts, loss_slot)
         self._loss: torch.Tensor | None = None
-        self._carrier: _Reduction | None = None
 
     @property
     def num_samples(self) -> torch.Tensor | None:
-        """The global number of samples (int64), or None if the step did not declare them."""
+        """The global number of samples (int64), or None if the step did not give them."""
         return self._count(_SAMPLES)
 
     @property
     def num_tokens(self) -> torch.Tensor | None:
-        """The global number of tokens (int64), or None if the step did not declare them."""
+        """The global number of tokens (int64), or None if the step did not give them."""
         return self._count(_TOKENS)
 
     @property
@@ -189,16 +195,16 @@ class StepResult:
         An empty step produced zero gradients and a logged loss of 0; test this flag before
         ``optimizer.step()`` if weight decay or momentum must not act on such a step.
         """
-        return self._counts.result()[self._weight_slot] == 0
+        return self._global_weight() == 0
 
     @property
     def loss(self) -> torch.Tensor:
         """The step's weighted mean loss (float64), from the detached losses of every rank.
 
-        With ``loss_logging="on_read"`` the first read issues one all-reduce, so every rank must
-        read it, or none. With ``"next_step"`` the losses travel with the next step's counts:
-        read it after the next ``begin()`` and it costs no collective (a read before that falls
-        back to an all-reduce of its own).
+        A scale-after step reduced it with its counts. Otherwise, with
+        ``loss_logging="on_read"``, the first read issues one all-reduce, so every rank must
+        read it, or none; with ``"next_step"`` it travels with the next step's counts, so a read
+        after the next ``begin()`` costs no collective (a read before that issues its own).
         """
         if self._missing_losses:
             raise RuntimeError(
@@ -207,13 +213,15 @@ class StepResult:
                 "through scale_loss() to have it logged"
             )
         if self._loss is None:
-            if self._carrier is not None:
-                loss_sum = self._carrier.result()[_PREVIOUS_LOSS]
-            else:
-                loss_sum = _Reduction(self._collective, self._loss_sum_to_send()).result()[0]
-            total = self._counts.result()[self._weight_slot].to(torch.float64)
-            self._loss = weighting.weighted_mean(loss_sum.to(torch.float64), total)
+            if self._loss_source is None:
+                self._loss_source = (_Reduction(self._collective, self._loss_sum_to_send()), 0)
+            reduction, slot = self._loss_source
+            loss_sum = reduction.result()[slot].to(torch.float64)
+            self._loss = weighting.weighted_mean(loss_sum, self._global_weight())
         return self._loss
+
+    def _global_weight(self) -> torch.Tensor:
+        return self._counts.result()[self._weight_slot].to(torch.float64)
 
     def _count(self, slot: int) -> torch.Tensor | None:
         if not self._declared[slot]:
@@ -227,50 +235,43 @@ class StepResult:
             return torch.zeros(1, dtype=torch.float64, device=device)
         return self._local_loss_sum.to(device, non_blocking=True).reshape(1)
 
-    def _carry_loss_with(self, reduction: _Reduction) -> None:
-        self._carrier = reduction
-
 
 class _Step:
-    """The state of the optimizer step between ``begin()`` and ``end()``."""
+    """The state of one optimizer step between ``begin()`` and ``end()``.
+
+    A count-first step has its weights and its count reduction from ``begin()``; a scale-after
+    step adds up its counts as the microbatches come, against ``estimate``, the global weight
+    its provisional scales assume.
+    """
 
     def __init__(
         self,
         index: int,
-        weights: torch.Tensor,
-        counts: _Reduction,
         weight_slot: int,
         declared: tuple[bool, bool],
+        weights: torch.Tensor | None = None,
+        counts: _Reduction | None = None,
+        estimate: torch.Tensor | None = None,
     ) -> None:
         self.index = index
+        self.weight_slot = weight_slot
         self.declared = declared
         self.weights = weights
         self.counts = counts
-        self.weight_slot = weight_slot
-        self.next_microbatch = 0
+        self.estimate = estimate
+        self.local_totals: list[torch.Tensor | int] = [0, 0]
+        self.microbatches = 0
         self.missing_losses = 0
         self.loss_sum: torch.Tensor | None = None
-        self._total: torch.Tensor | None = None
 
     @property
-    def num_microbatches(self) -> int:
-        return self.weights.shape[0]
+    def counts_first(self) -> bool:
+        return self.weights is not None
 
-    def total(self) -> torch.Tensor:
-        """The global weight W as float64; waits for the count reduction the first time."""
-        if self._total is None:
-            self._total = self.counts.result()[self.weight_slot].to(torch.float64)
-        return self._total
-
-    def take_microbatch(self, caller: str) -> int:
-        if self.next_microbatch >= self.num_microbatches:
-            raise RuntimeError(
-                f"{caller}() was called for microbatch {self.next_microbatch + 1} of step "
-                f"{self.index}, but begin() declared {self.num_microbatches} microbatches; "
-                "declare one count per microbatch in begin()"
-            )
-        self.next_microbatch += 1
-        return self.next_microbatch - 1
+    def global_weight(self) -> torch.Tensor:
+        """W as float64; waits for the count reduction the first time."""
+        assert self.counts is not None
+        return self.counts.result()[self.weight_slot].to(torch.float64)
 
     def add_loss(self, contribution: torch.Tensor) -> None:
         self.loss_sum = contribution if self.loss_sum is None else self.loss_sum + contribution
@@ -279,12 +280,19 @@ class _Step:
 class Accumulator:
     """Weights each microbatch's loss so that an optimizer step optimises the global mean.
 
-    One step, on every data-parallel rank::
+    One step, on every data-parallel rank, counting first (the counts come from the batch)::
 
         acc.begin(num_tokens=[...])         # this rank's count per microbatch
         for batch in microbatches:
             acc.scale_loss(loss_of(batch)).backward()
         result = acc.end()                  # result.loss, .num_tokens, .is_empty
+
+    or scaling after (the counts are known only as the microbatches come)::
+
+        acc.begin()
+        for batch in microbatches:
+            acc.scale_loss(loss_of(batch), num_tokens=count_of(batch)).backward()
+        result = acc.end(model.parameters())  # rescales the gradients once
 
     The gradient of the step, after the data-parallel wrapper has combined the ranks, is the
     gradient of ``sum(w * l) / W`` (mean losses) or ``sum(l) / W`` (summed losses) over every
@@ -303,9 +311,12 @@ class Accumulator:
             over (default: the default group if torch.distributed is initialized, else none).
             With tensor or context parallelism, pass the group of the data-parallel replicas.
         collective: a :class:`Collective` to reduce with instead of a process group.
-        loss_logging: when the logged loss is reduced over the ranks: ``"on_read"`` (one
-            all-reduce the first time ``StepResult.loss`` is read) or ``"next_step"`` (carried
-            by the next step's count reduction, at no extra collective).
+        loss_logging: when the logged loss of a count-first step is reduced over the ranks:
+            ``"on_read"`` (one all-reduce the first time ``StepResult.loss`` is read) or
+            ``"next_step"`` (carried by the next step's reduction, at no extra collective).
+        weight_estimate: for scale-after steps, the global weight the first one's provisional
+            scales assume; later ones assume the previous step's. Default 1: raw counts, which
+            bf16 and fp32 gradients hold; give a rough ``W`` for fp16 ones.
     """
 
     def __init__(
@@ -317,11 +328,24 @@ class Accumulator:
         group: dist.ProcessGroup | None = None,
         collective: Collective | None = None,
         loss_logging: LossLogging = "on_read",
+        weight_estimate: float = 1.0,
     ) -> None:
         _check_choice("weight_by", weight_by, ("tokens", "samples"))
         _check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
         _check_choice("loss_logging", loss_logging, ("on_read", "next_step"))
-        _check_grad_reduction(grad_reduction)
+        _check_positive(
+            "grad_reduction",
+            grad_reduction,
+            "'mean' (the wrapper averages the "
+            "ranks' gradients, as DDP and FSDP do), 'sum', or the positive number "
+            "it divides their sum by",
+            allowed=("mean", "sum"),
+        )
+        _check_positive(
+            "weight_estimate",
+            weight_estimate,
+            "a positive number, roughly the global count of a step",
+        )
         if collective is not None and group is not None:
             raise ValueError(
                 f"group={group!r} and collective={collective!r} were both given; pass one: "
@@ -339,32 +363,45 @@ class Accumulator:
             collective if collective is not None else default_collective(group)
         )
         self.divisor = weighting.gradient_divisor(grad_reduction, self.collective.world_size)
+        self._weight_estimate = float(weight_estimate)
         self._weight_slot = _TOKENS if weight_by == "tokens" else _SAMPLES
         self._step: _Step | None = None
         self._steps_begun = 0
         self._previous: StepResult | None = None
 
     def begin(self, *, num_samples: Counts | None = None, num_tokens: Counts | None = None) -> None:
-        """Open an optimizer step and start reducing its counts over the ranks.
+        """Open an optimizer step.
 
-        Pass this rank's counts, one per microbatch it will run in this step (none is fine): a
-        1-D integer tensor, or a sequence of ints or 0-dim integer tensors. The count named by
-        ``weight_by`` is required; the other is optional and only reported. Counts on the CPU,
-        Python ints included, are copied to the collective's device (CUDA for NCCL) without
-        blocking; counts on an accelerator stay there, and the collective must reduce on it.
-        One all-reduce starts here and overlaps whatever runs until the first scale is needed.
+        Count first: pass this rank's counts, one per microbatch it will run in this step (none
+        is fine), as a 1-D integer tensor or a sequence of ints or 0-dim integer tensors. The
+        count named by ``weight_by`` is required; the other is optional and only reported.
+        Counts on the CPU, Python ints included, are copied to the collective's device (CUDA
+        for NCCL) without blocking; counts on an accelerator stay there, and the collective
+        must reduce on it. One all-reduce starts here and overlaps whatever runs until the
+        first scale is needed.
+
+        Scale after: pass no counts, and give each microbatch's counts to ``scale_loss()``.
         """
         if self._step is not None:
             raise RuntimeError(
                 f"begin() was called while step {self._step.index} is still open; call end() "
                 "to close it first"
             )
+        if num_samples is None and num_tokens is None:
+            self._steps_begun += 1
+            # The weighting count is always given; the other one as the microbatches say.
+            declared = (self._weight_slot == _SAMPLES, self._weight_slot == _TOKENS)
+            self._step = _Step(
+                self._steps_begun, self._weight_slot, declared, estimate=self._estimate()
+            )
+            return
         weight_name = f"num_{self.weight_by}"
         given = {"num_samples": num_samples, "num_tokens": num_tokens}
         if given[weight_name] is None:
             raise ValueError(
                 f"{weight_name}=None, but weight_by={self.weight_by!r} weights each microbatch "
-                f"by it; pass {weight_name}=[one count per microbatch]"
+                f"by it; pass {weight_name}=[one count per microbatch], or no counts at all to "
+                "give them with each loss"
             )
         counts = {
             name: _as_counts(name, value) for name, value in given.items() if value is not None
@@ -376,105 +413,225 @@ class Accumulator:
                 f"{lengths['num_tokens']}; give both one count per microbatch"
             )
         device = self._counts_device(counts)
-        totals = [
-            counts[name].to(device, non_blocking=True).sum()
-            if name in counts
-            else torch.zeros((), dtype=torch.int64, device=device)
-            for name in ("num_samples", "num_tokens")
-        ]
-        payload = torch.stack(totals)
-        if self.loss_logging == "next_step":
-            # float64 holds every count below 2**53 exactly, so the counts are not rounded.
-            previous = self._previous
-            carried = (
-                previous._loss_sum_to_send()
-                if previous is not None and previous._loss is None
-                else torch.zeros(1, dtype=torch.float64, device=device)
-            )
-            payload = torch.cat([payload.to(torch.float64), carried])
-        reduction = _Reduction(self.collective, payload)
-        if self.loss_logging == "next_step" and self._previous is not None:
-            self._previous._carry_loss_with(reduction)
+        totals = torch.stack(
+            [
+                counts[name].to(device, non_blocking=True).sum()
+                if name in counts
+                else torch.zeros((), dtype=torch.int64, device=device)
+                for name in ("num_samples", "num_tokens")
+            ]
+        )
         self._steps_begun += 1
         self._step = _Step(
-            index=self._steps_begun,
+            self._steps_begun,
+            self._weight_slot,
+            ("num_samples" in counts, "num_tokens" in counts),
             weights=counts[weight_name].to(device, non_blocking=True),
-            counts=reduction,
-            weight_slot=self._weight_slot,
-            declared=("num_samples" in counts, "num_tokens" in counts),
+            counts=self._reduce(totals, own_loss_sum=None),
         )
 
-    def backward_scale(self) -> torch.Tensor:
+    def backward_scale(
+        self, *, num_samples: Count | None = None, num_tokens: Count | None = None
+    ) -> torch.Tensor:
         """The factor to multiply the next microbatch's loss by before ``backward()``.
 
-        ``w * D / W`` for mean losses, ``D / W`` for summed ones (``D``: ``self.divisor``); 0
-        for every microbatch of an empty step. A 0-dim float64 tensor on the counts' device.
-        Each call takes the next declared microbatch. Prefer :meth:`scale_loss`, which also
-        records the loss for the logged value and keeps an empty microbatch's NaN mean out of
-        the gradients.
+        Count first: ``w * D / W`` for mean losses, ``D / W`` for summed ones (``D``:
+        ``self.divisor``); 0 for every microbatch of an empty step. Scale after: the same
+        against the step's estimate of ``W``, with this microbatch's counts given here, as to
+        :meth:`scale_loss`. A 0-dim float64 tensor on the counts' device. Each call takes the
+        next microbatch. Prefer :meth:`scale_loss`, which also records the loss for the logged
+        value and keeps an empty microbatch's NaN mean out of the gradients.
         """
         step = self._open_step("backward_scale")
-        index = step.take_microbatch("backward_scale")
+        _, scale = self._next_microbatch(step, "backward_scale", num_samples, num_tokens)
         step.missing_losses += 1
-        return self._scale_of(step, index)
+        return scale
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+    def scale_loss(
+        self,
+        loss: torch.Tensor,
+        *,
+        num_samples: Count | None = None,
+        num_tokens: Count | None = None,
+    ) -> torch.Tensor:
         """``loss`` times the next microbatch's factor, ready for ``backward()``.
 
         ``loss`` is this microbatch's loss: a 0-dim floating-point tensor, the mean or the sum
-        (per ``loss_reduction``) of its items' losses. A microbatch of weight 0 contributes
-        exactly nothing: its loss is replaced by 0 (value and gradient), so the NaN of a mean
-        over zero items reaches neither the logged loss nor the gradients through here. Its
-        detached value is recorded for ``StepResult.loss``.
+        (per ``loss_reduction``) of its items' losses. In a scale-after step, also pass its
+        counts (an int or a 0-dim integer tensor each; the one named by ``weight_by`` is
+        required). A microbatch of weight 0 contributes exactly nothing: its loss is replaced
+        by 0 (value and gradient), so the NaN of a mean over zero items reaches neither the
+        logged loss nor the gradients through here. Its detached value is recorded for
+        ``StepResult.loss``.
         """
         _check_loss(loss)
         step = self._open_step("scale_loss")
-        index = step.take_microbatch("scale_loss")
-        weight = step.weights[index].to(loss.device, non_blocking=True)
+        weight, scale = self._next_microbatch(step, "scale_loss", num_samples, num_tokens)
+        weight = weight.to(loss.device, non_blocking=True)
         guarded = torch.where(weight > 0, loss, 0.0)
         step.add_loss(
             weighting.loss_contribution(
                 guarded.detach().to(torch.float64), weight, self.loss_reduction
             )
         )
-        scale = self._scale_of(step, index).to(
+        scale = scale.to(
             device=loss.device,
             dtype=torch.promote_types(loss.dtype, torch.float32),
             non_blocking=True,
         )
         return guarded * scale
 
-    def end(self) -> StepResult:
+    def end(self, parameters: Iterable[torch.Tensor] | None = None) -> StepResult:
         """Close the step and return what it reports (see :class:`StepResult`).
 
-        Call it on every rank after the step's last backward, before ``optimizer.step()``.
+        Call it on every rank after the step's last backward, before gradient clipping and
+        ``optimizer.step()``. A scale-after step needs ``parameters`` (``model.parameters()``):
+        its one all-reduce sums the counts and the loss sums, and every gradient is multiplied
+        by the correcting factor in one pass per device and dtype, on the device. Parameters
+        without a gradient are skipped; sharded gradients (FSDP2's DTensors) are scaled shard
+        by shard. A count-first step's gradients are final already: pass no parameters.
         """
         step = self._open_step("end")
-        if step.next_microbatch != step.num_microbatches:
-            raise RuntimeError(
-                f"end() was called after {step.next_microbatch} of the "
-                f"{step.num_microbatches} microbatches that begin() declared for step "
-                f"{step.index}; scale every declared microbatch, or declare fewer"
+        if step.counts_first:
+            assert step.weights is not None and step.counts is not None
+            if parameters is not None:
+                raise ValueError(
+                    "end() got parameters, but this step declared its counts in begin(), so "
+                    "its gradients are final already; call end() without them"
+                )
+            if step.microbatches != len(step.weights):
+                raise RuntimeError(
+                    f"end() was called after {step.microbatches} of the {len(step.weights)} "
+                    f"microbatches that begin() declared for step {step.index}; scale every "
+                    "declared microbatch, or declare fewer"
+                )
+            counts, loss_slot = step.counts, None
+        else:
+            if parameters is None:
+                raise ValueError(
+                    "end() needs parameters in a scale-after step (one whose counts came with "
+                    "each loss), to rescale their gradients: call end(model.parameters())"
+                )
+            own_loss_sum = step.loss_sum if step.loss_sum is not None else torch.zeros(())
+            counts = self._reduce(self._scale_after_totals(step), own_loss_sum)
+            loss_slot = _OWN_LOSS
+            assert step.estimate is not None
+            correction = weighting.gradient_correction(
+                counts.result()[self._weight_slot], step.estimate
             )
+            _scale_gradients(parameters, correction)
         self._step = None
         result = StepResult(
-            counts=step.counts,
-            weight_slot=step.weight_slot,
-            declared=step.declared,
-            loss_sum=step.loss_sum,
-            collective=self.collective,
-            missing_losses=step.missing_losses,
+            counts,
+            self._weight_slot,
+            step.declared,
+            step.loss_sum,
+            self.collective,
+            step.missing_losses,
+            loss_slot,
         )
         self._previous = result
         return result
 
-    def _scale_of(self, step: _Step, index: int) -> torch.Tensor:
-        return weighting.backward_scale(
-            step.weights[index].to(torch.float64),
-            step.total(),
-            self.divisor,
-            self.loss_reduction,
+    def _next_microbatch(
+        self,
+        step: _Step,
+        caller: str,
+        num_samples: Count | None,
+        num_tokens: Count | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take the next microbatch of the step: its weight and its (provisional) scale."""
+        given = {"num_samples": num_samples, "num_tokens": num_tokens}
+        if step.counts_first:
+            assert step.weights is not None
+            if num_samples is not None or num_tokens is not None:
+                raise ValueError(
+                    f"{caller}() got counts, but begin() declared the counts of step "
+                    f"{step.index} already; call {caller}() without them, or begin() without "
+                    "counts to give them here"
+                )
+            if step.microbatches >= len(step.weights):
+                raise RuntimeError(
+                    f"{caller}() was called for microbatch {step.microbatches + 1} of step "
+                    f"{step.index}, but begin() declared {len(step.weights)} microbatches; "
+                    "declare one count per microbatch in begin()"
+                )
+            weight, total = step.weights[step.microbatches], step.global_weight()
+        else:
+            weight_name = f"num_{self.weight_by}"
+            if given[weight_name] is None:
+                raise ValueError(
+                    f"{caller}() got {weight_name}=None in a scale-after step (begin() had no "
+                    f"counts); pass {weight_name}=<this microbatch's count>, or declare all "
+                    "counts in begin()"
+                )
+            declared = (num_samples is not None, num_tokens is not None)
+            if step.microbatches and declared != step.declared:
+                raise ValueError(
+                    f"{caller}() got {_given(declared)} for microbatch {step.microbatches + 1}"
+                    f" but {_given(step.declared)} for the ones before; give the same counts "
+                    "for every microbatch of a step"
+                )
+            counts = {name: _as_count(name, c) for name, c in given.items() if c is not None}
+            step.declared = declared
+            for slot, name in enumerate(("num_samples", "num_tokens")):
+                if name in counts:
+                    step.local_totals[slot] = step.local_totals[slot] + counts[name]
+            weight = counts[weight_name]
+            assert step.estimate is not None
+            total = step.estimate
+        step.microbatches += 1
+        scale = weighting.backward_scale(
+            weight.to(torch.float64), total, self.divisor, self.loss_reduction
         )
+        return weight, scale
+
+    def _estimate(self) -> torch.Tensor:
+        """The global weight a scale-after step's provisional scales assume: the previous
+        step's, the same on every rank, or ``weight_estimate`` for the first step."""
+        if self._previous is None:
+            return torch.tensor(self._weight_estimate, dtype=torch.float64)
+        return self._previous._global_weight()
+
+    def _scale_after_totals(self, step: _Step) -> torch.Tensor:
+        totals = {
+            name: torch.as_tensor(total, dtype=torch.int64)
+            for name, total in zip(("num_samples", "num_tokens"), step.local_totals, strict=True)
+        }
+        device = self._counts_device(totals)
+        return torch.stack([total.to(device, non_blocking=True) for total in totals.values()])
+
+    def _reduce(self, totals: torch.Tensor, own_loss_sum: torch.Tensor | None) -> _Reduction:
+        """Start the step's one all-reduce: its count totals, and the loss sums that travel
+        with them.
+
+        Its layout depends on the step's mode and ``loss_logging`` only, never on what a rank
+        holds, so that every rank reduces a payload of the same shape.
+        """
+        if own_loss_sum is None and self.loss_logging == "on_read":
+            return _Reduction(self.collective, totals)  # two int64 counts
+        device = totals.device
+        previous = self._previous
+        carried = (
+            previous
+            if self.loss_logging == "next_step"
+            and previous is not None
+            and previous._loss_source is None
+            else None
+        )
+        carried_sum = (
+            torch.zeros(1, dtype=torch.float64, device=device)
+            if carried is None
+            else carried._loss_sum_to_send().to(device, non_blocking=True)
+        )
+        # float64 holds every count below 2**53 exactly, so the counts are not rounded.
+        parts = [totals.to(torch.float64), carried_sum]
+        if own_loss_sum is not None:
+            parts.append(own_loss_sum.to(device, torch.float64, non_blocking=True).reshape(1))
+        reduction = _Reduction(self.collective, torch.cat(parts))
+        if carried is not None:
+            carried._loss_source = (reduction, _PREVIOUS_LOSS)
+        return reduction
 
     def _open_step(self, caller: str) -> _Step:
         if self._step is None:
@@ -520,8 +677,25 @@ def _accelerator_of(what: str, devices: list[torch.device]) -> torch.device:
     return accelerators.pop() if accelerators else torch.device("cpu")
 
 
+def _as_count(name: str, value: Count) -> torch.Tensor:
+    """Check one count the user passed and turn it into a 0-dim int64 tensor."""
+    if isinstance(value, torch.Tensor):
+        _check_count_tensor(name, value, 0, "each count must be a 0-dim tensor or an int")
+        return value.to(torch.int64)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name}={value!r} is not an integer count; counts are numbers of samples or "
+            "tokens: pass ints, or an integer tensor"
+        )
+    if value < 0:
+        raise ValueError(
+            f"{name}={value} is negative; counts are numbers of samples or tokens, 0 or more"
+        )
+    return torch.tensor(int(value), dtype=torch.int64)
+
+
 def _as_counts(name: str, value: Counts) -> torch.Tensor:
-    """Check the counts the user passed and turn them into an int64 tensor."""
+    """Check the counts of a step the user passed and turn them into a 1-D int64 tensor."""
     if isinstance(value, torch.Tensor):
         _check_count_tensor(name, value, 1, "pass one count per microbatch, as a 1-D tensor")
         return value.to(torch.int64)
@@ -530,32 +704,11 @@ def _as_counts(name: str, value: Counts) -> torch.Tensor:
             f"{name}={value!r} is not a sequence of counts; pass one count per microbatch, as "
             "a 1-D integer tensor or a list of ints"
         )
-    tensors = []
-    for index, count in enumerate(value):
-        item = f"{name}[{index}]"
-        if isinstance(count, torch.Tensor):
-            _check_count_tensor(item, count, 0, "each count must be a 0-dim tensor or an int")
-            tensors.append(count)
-        elif isinstance(count, bool) or not isinstance(count, numbers.Integral):
-            raise TypeError(
-                f"{item}={count!r} is not an integer count; counts are numbers of samples or "
-                "tokens: pass ints, or an integer tensor"
-            )
-        elif count < 0:
-            raise ValueError(
-                f"{item}={count} is negative; counts are numbers of samples or tokens, 0 or more"
-            )
-    if not tensors:
-        return torch.tensor(list(value), dtype=torch.int64)
-    device = _accelerator_of(f"the tensors in {name}", [tensor.device for tensor in tensors])
-    return torch.stack(
-        [
-            count.to(device, torch.int64, non_blocking=True)
-            if isinstance(count, torch.Tensor)
-            else torch.full((), int(count), dtype=torch.int64, device=device)
-            for count in value
-        ]
-    )
+    counts = [_as_count(f"{name}[{index}]", count) for index, count in enumerate(value)]
+    if not any(isinstance(count, torch.Tensor) for count in value):
+        return torch.tensor(list(value), dtype=torch.int64)  # checked ints
+    device = _accelerator_of(f"the tensors in {name}", [count.device for count in counts])
+    return torch.stack([count.to(device, non_blocking=True) for count in counts])
 
 
 def _check_count_tensor(name: str, counts: torch.Tensor, dim: int, shape_rule: str) -> None:
@@ -581,17 +734,36 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r} is not supported; pass {options}")
 
 
-def _check_grad_reduction(value: object) -> None:
-    if value in ("mean", "sum"):
+def _check_positive(name: str, value: object, expected: str, allowed: tuple[str, ...] = ()) -> None:
+    if value in allowed:
         return
     is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
     if is_number and 0 < float(value) < math.inf:  # type: ignore[arg-type]
         return
-    raise ValueError(
-        f"grad_reduction={value!r} is not supported; pass 'mean' (the wrapper averages the "
-        "ranks' gradients, as DDP and FSDP do), 'sum', or the positive number it divides "
-        "their sum by"
-    )
+    raise ValueError(f"{name}={value!r} is not supported; pass {expected}")
+
+
+def _given(declared: tuple[bool, bool]) -> str:
+    names = [
+        name for name, given in zip(("num_samples", "num_tokens"), declared, strict=True) if given
+    ]
+    return " and ".join(names) or "no counts"
+
+
+def _scale_gradients(parameters: Iterable[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every gradient by ``factor``: one fused multiply per device and dtype."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for parameter in parameters:
+        grad = parameter.grad
+        if grad is None:
+            continue
+        # A DTensor (FSDP2) is scaled through its local shard, which is all this rank holds.
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        groups[(local.device, local.dtype)].append(local)
+    for (device, _), grads in groups.items():
+        # The float64 factor is applied at the gradients' precision or better, never rounded
+        # to bf16 or fp16 first.
+        torch._foreach_mul_(grads, factor.to(device, non_blocking=True))
 
 
 def _check_loss(loss: object) -> None:

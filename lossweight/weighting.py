@@ -91,3 +91,14 @@ def weighted_mean(loss_sum: Quantity, total: Quantity) -> Any:
     Zero when the step is empty.
     """
     return loss_sum / nonzero_total(total)
+
+
+def gradient_correction(total: Quantity, estimate: Quantity) -> Any:
+    """What scale-after mode multiplies the step's gradients by, once ``W`` is known.
+
+    Back-propagating each loss with ``backward_scale(w, estimate, D, ...)`` and multiplying the
+    gradients by ``estimate / W`` gives the gradients of ``backward_scale(w, W, D, ...)``: the
+    provisional scales only had the wrong global weight, and it appears once, in a common
+    factor. Both totals are guarded as in :func:`nonzero_total`.
+    """
+    return nonzero_total(estimate) / nonzero_total(total)

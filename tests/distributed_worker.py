@@ -124,22 +124,33 @@ def full_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
     return grads
 
 
-def run_step(model, wrapper, microbatches, weight_by, loss_reduction, acc=None):
+def run_step(model, wrapper, microbatches, weight_by, loss_reduction, acc=None, scale_after=False):
     """One step; with ``acc`` None, the plain ``loss / accumulation_steps`` of most loops."""
-    if acc is not None:
+    if acc is not None and not scale_after:
         acc.begin(
             num_samples=[mb.num_samples for mb in microbatches],
             num_tokens=[mb.num_tokens for mb in microbatches],
         )
+    elif acc is not None:
+        acc.begin()
     for i, mb in enumerate(microbatches):
         with microbatch_context(model, wrapper, last=i == len(microbatches) - 1):
             loss = microbatch_loss(model, mb, weight_by, loss_reduction)
             if acc is None:
                 loss = torch.nan_to_num(loss) / len(microbatches)
+            elif scale_after:
+                loss = acc.scale_loss(loss, num_samples=mb.num_samples, num_tokens=mb.num_tokens)
             else:
                 loss = acc.scale_loss(loss)
             loss.backward()
-    return acc.end() if acc is not None else None
+    if acc is None:
+        return None
+    return acc.end(model.parameters()) if scale_after else acc.end()
+
+
+def relative_error(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
+    scale = max(float(e.abs().max()) for e in expected)
+    return max(float((a - e).abs().max()) for a, e in zip(actual, expected, strict=True)) / scale
 
 
 def scenario(rank: int, world_size: int, wrapper: str, config: dict) -> dict:
@@ -162,36 +173,46 @@ def scenario(rank: int, world_size: int, wrapper: str, config: dict) -> dict:
     with counting_collectives() as plain_calls:
         run_step(plain, wrapper, microbatches, weight_by, loss_reduction)
 
-    model = wrap(copy.deepcopy(base), wrapper, world_size, grad_reduction)
-    acc = Accumulator(
-        weight_by=weight_by,
-        loss_reduction=loss_reduction,
-        grad_reduction=grad_reduction,
-        loss_logging=loss_logging,
-    )
-    with counting_collectives() as calls:
-        result = run_step(model, wrapper, microbatches, weight_by, loss_reduction, acc)
-    grads = full_gradients(model)
-    with counting_collectives() as read_calls:
-        logged = result.loss.item()
-    error = max(float((g - e).abs().max()) for g, e in zip(grads, expected_grads, strict=True))
-    scale = max(float(e.abs().max()) for e in expected_grads)
-    plain_grads = full_gradients(plain)
-    plain_error = max(
-        float((g - e).abs().max()) for g, e in zip(plain_grads, expected_grads, strict=True)
-    )
-    return {
-        "relative_error": error / scale,
-        "plain_relative_error": plain_error / scale,
-        "logged_loss": logged,
+    outcome = {
         "expected_loss": expected_loss,
-        "num_tokens": int(result.num_tokens),
         "expected_tokens": int(batch.num_tokens),
-        "num_samples": int(result.num_samples),
-        "step_collectives": dict(calls),
         "plain_collectives": dict(plain_calls),
-        "read_collectives": dict(read_calls),
+        "plain_relative_error": relative_error(full_gradients(plain), expected_grads),
     }
+    grads = {}
+    for mode in ("count_first", "scale_after"):
+        model = wrap(copy.deepcopy(base), wrapper, world_size, grad_reduction)
+        acc = Accumulator(
+            weight_by=weight_by,
+            loss_reduction=loss_reduction,
+            grad_reduction=grad_reduction,
+            loss_logging=loss_logging,
+        )
+        with counting_collectives() as calls:
+            result = run_step(
+                model,
+                wrapper,
+                microbatches,
+                weight_by,
+                loss_reduction,
+                acc,
+                scale_after=mode == "scale_after",
+            )
+        grads[mode] = full_gradients(model)
+        with counting_collectives() as read_calls:
+            logged = result.loss.item()
+        outcome[mode] = {
+            "relative_error": relative_error(grads[mode], expected_grads),
+            "logged_loss": logged,
+            "num_tokens": int(result.num_tokens),
+            "num_samples": int(result.num_samples),
+            "step_collectives": dict(calls),
+            "read_collectives": dict(read_calls),
+        }
+    outcome["modes_relative_difference"] = relative_error(
+        grads["scale_after"], grads["count_first"]
+    )
+    return outcome
 
 
 CONFIGS = {

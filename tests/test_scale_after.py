@@ -1,0 +1,236 @@
+"""Scale-after steps: counts given with each loss, gradients rescaled once by end()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lossweight import Accumulator, token_cross_entropy
+
+from .ranks import run_ranks
+
+
+def test_provisional_scales_assume_the_previous_step_weight() -> None:
+    x = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    acc = Accumulator(weight_estimate=10.0)
+    grads = []
+    for counts in ([3, 1], [2, 2, 4]):
+        acc.begin()
+        provisional = [acc.backward_scale(num_tokens=count).item() for count in counts]
+        acc.end([x])
+        grads.append(provisional)
+    # Step 1 assumes W = 10 (weight_estimate); step 2 assumes step 1's W = 4.
+    assert grads == [[0.3, 0.1], [0.5, 0.5, 1.0]]
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_gradients_are_rescaled_to_the_global_mean(loss_reduction: str) -> None:
+    # Microbatch losses k * x (summed over k items of loss x) or x (their mean): the step's
+    # mean loss is x, so d/dx is 1 whatever the counts and the estimate.
+    x = torch.ones((), dtype=torch.float64, requires_grad=True)
+    acc = Accumulator(loss_reduction=loss_reduction, weight_estimate=3.0)  # type: ignore[arg-type]
+    for counts in ([5, 0, 2], [1], [0, 0]):
+        x.grad = None
+        acc.begin()
+        for count in counts:
+            loss = x * count if loss_reduction == "sum" else x * 1.0
+            acc.scale_loss(loss, num_tokens=count).backward()
+        result = acc.end([x])
+        empty = sum(counts) == 0
+        assert x.grad.item() == pytest.approx(0.0 if empty else 1.0, rel=1e-15)
+        assert result.loss.item() == (0.0 if empty else 1.0)
+        assert result.is_empty.item() is empty
+
+
+def test_one_collective_per_step_with_the_loss_included() -> None:
+    def rank_steps(rank: int, collective: object) -> list[tuple[int, float, int]]:
+        acc = Accumulator(collective=collective)  # type: ignore[arg-type]
+        x = torch.ones((), requires_grad=True)
+        seen = []
+        for step in range(3):
+            before = collective._issued  # type: ignore[attr-defined]
+            acc.begin()
+            for count in range(rank + step):  # rank 0 has no microbatch in step 0
+                acc.scale_loss(x * float(count), num_tokens=count).backward()
+            result = acc.end([x])
+            loss, tokens = result.loss.item(), int(result.num_tokens)
+            seen.append((collective._issued - before, loss, tokens))  # type: ignore[attr-defined]
+        return seen
+
+    results = run_ranks(2, rank_steps)
+    assert results[0] == results[1]
+    assert [calls for calls, _, _ in results[0]] == [1, 1, 1]
+    assert [tokens for _, _, tokens in results[0]] == [0, 1, 4]
+    # Step 2: rank 0 has counts 0, 1 and rank 1 has 0, 1, 2, each a mean loss equal to its
+    # count: the token mean is (1 * 1 + 1 * 1 + 2 * 2) / 4.
+    assert results[0][2][1] == pytest.approx(6 / 4)
+
+
+def test_a_previous_loss_travels_with_a_scale_after_reduction() -> None:
+    def rank_steps(rank: int, collective: object) -> tuple[float, int]:
+        acc = Accumulator(collective=collective, loss_logging="next_step")  # type: ignore[arg-type]
+        acc.begin(num_tokens=[1])
+        acc.scale_loss(torch.tensor(float(rank)))
+        first = acc.end()
+        before = collective._issued  # type: ignore[attr-defined]
+        acc.begin()
+        acc.scale_loss(torch.tensor(1.0), num_tokens=1)
+        acc.end([])
+        first_loss = first.loss.item()
+        return first_loss, collective._issued - before  # type: ignore[attr-defined]
+
+    assert run_ranks(2, rank_steps) == [(0.5, 1), (0.5, 1)]
+
+
+def test_every_gradient_is_rescaled_whatever_its_dtype_and_unused_ones_are_skipped() -> None:
+    layers = torch.nn.ModuleList(
+        [torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 3), torch.nn.Linear(3, 3).bfloat16()]
+    )
+    unused = torch.nn.Parameter(torch.ones(2))
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def loss_of(scale_loss) -> None:
+        for layer in layers:
+            out = layer(x.to(layer.weight.dtype)).float().sum()
+            scale_loss(out).backward()
+
+    reference = [torch.zeros_like(p, dtype=torch.float64) for p in layers.parameters()]
+    acc = Accumulator(loss_reduction="sum")
+    acc.begin(num_tokens=[4, 4, 4])
+    loss_of(acc.scale_loss)
+    acc.end()
+    reference = [p.grad.double().clone() for p in layers.parameters()]
+    layers.zero_grad(set_to_none=True)
+
+    acc.begin()
+    loss_of(lambda loss: acc.scale_loss(loss, num_tokens=4))
+    acc.end([*layers.parameters(), unused])
+    assert unused.grad is None
+    for p, expected in zip(layers.parameters(), reference, strict=True):
+        tolerance = 1e-2 if p.dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(p.grad.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def large_step(dtype: torch.dtype, weight_estimate: float, scale_after: bool):
+    """A step of 10**6 tokens in two microbatches; every label is class 0, so the gradient of
+    the bias sums to about -0.9 per token before it is divided by the token count."""
+    torch.manual_seed(0)
+    reference_model = torch.nn.Linear(8, 8).double()
+    model = torch.nn.Linear(8, 8).to(dtype)
+    model.load_state_dict(reference_model.state_dict())
+    features = torch.randn(2, 500_000, 8, dtype=torch.float64)
+    labels = torch.zeros(2, 500_000, dtype=torch.int64)
+    acc = Accumulator(loss_reduction="sum", weight_estimate=weight_estimate)
+    if scale_after:
+        acc.begin()
+    else:
+        acc.begin(num_tokens=[500_000, 500_000])
+    for x, y in zip(features, labels, strict=True):
+        loss_sum, count = token_cross_entropy(model(x.to(dtype)), y)
+        acc.scale_loss(loss_sum, **({"num_tokens": count} if scale_after else {})).backward()
+    acc.end(model.parameters()) if scale_after else acc.end()
+    F.cross_entropy(reference_model(features.flatten(0, 1)), labels.flatten()).backward()
+    return [p.grad for p in model.parameters()], [p.grad for p in reference_model.parameters()]
+
+
+@pytest.mark.parametrize("scale_after", [True, False], ids=["scale-after", "count-first"])
+def test_bf16_gradients_of_a_million_token_step(scale_after: bool) -> None:
+    grads, expected = large_step(torch.bfloat16, weight_estimate=1.0, scale_after=scale_after)
+    for grad, reference in zip(grads, expected, strict=True):
+        assert torch.isfinite(grad).all()
+        # bf16 keeps 8 significant bits: 2**-8 relative for each rounding, a few roundings here.
+        torch.testing.assert_close(grad.double(), reference, rtol=0.02, atol=0.02 * 0.9)
+
+
+def test_fp16_needs_the_estimate_of_the_first_step() -> None:
+    # Raw counts (an estimate of 1) put the bias gradient near -9e5 before the correction,
+    # beyond fp16's 65504; an estimate of the step's weight keeps it near -0.9.
+    raw, _ = large_step(torch.float16, weight_estimate=1.0, scale_after=True)
+    assert not torch.isfinite(raw[1]).all()
+    grads, expected = large_step(torch.float16, weight_estimate=1e6, scale_after=True)
+    for grad, reference in zip(grads, expected, strict=True):
+        torch.testing.assert_close(grad.double(), reference, rtol=0.01, atol=0.01 * 0.9)
+
+
+@pytest.mark.parametrize(
+    ("steps", "error", "message"),
+    [
+        (
+            lambda acc: (
+                acc.begin(num_tokens=[1]),
+                acc.scale_loss(torch.tensor(1.0), num_tokens=1),
+            ),
+            ValueError,
+            r"scale_loss\(\) got counts, but begin\(\) declared the counts of step 1 already; call scale_loss\(\) without them",
+        ),
+        (
+            lambda acc: (acc.begin(), acc.scale_loss(torch.tensor(1.0))),
+            ValueError,
+            r"scale_loss\(\) got num_tokens=None in a scale-after step \(begin\(\) had no counts\); pass num_tokens=",
+        ),
+        (
+            lambda acc: (acc.begin(), acc.backward_scale(num_samples=2)),
+            ValueError,
+            r"backward_scale\(\) got num_tokens=None in a scale-after step",
+        ),
+        (
+            lambda acc: (acc.begin(), acc.scale_loss(torch.tensor(1.0), num_tokens=-1)),
+            ValueError,
+            r"num_tokens=-1 is negative",
+        ),
+        (
+            lambda acc: (acc.begin(), acc.scale_loss(torch.tensor(1.0), num_tokens=1.5)),
+            TypeError,
+            r"num_tokens=1.5 is not an integer count",
+        ),
+        (
+            lambda acc: (
+                acc.begin(),
+                acc.scale_loss(torch.tensor(1.0), num_tokens=torch.tensor([1, 2])),
+            ),
+            ValueError,
+            r"num_tokens is a tensor of shape \(2,\); each count must be a 0-dim tensor or an int",
+        ),
+        (
+            lambda acc: (
+                acc.begin(),
+                acc.scale_loss(torch.tensor(1.0), num_tokens=1),
+                acc.scale_loss(torch.tensor(1.0), num_tokens=1, num_samples=1),
+            ),
+            ValueError,
+            r"scale_loss\(\) got num_samples and num_tokens for microbatch 2 but num_tokens for the ones before; give the same counts",
+        ),
+        (
+            lambda acc: (acc.begin(), acc.end()),
+            ValueError,
+            r"end\(\) needs parameters in a scale-after step .* call end\(model.parameters\(\)\)",
+        ),
+        (
+            lambda acc: (acc.begin(num_tokens=[]), acc.end([])),
+            ValueError,
+            r"end\(\) got parameters, but this step declared its counts in begin\(\), so its gradients are final already",
+        ),
+        (
+            lambda acc: (acc.begin(), acc.end([]), acc.end([])),
+            RuntimeError,
+            r"end\(\) was called after end\(\) closed step 1",
+        ),
+        (
+            lambda acc: (acc.begin(), acc.end([]), acc.scale_loss(torch.tensor(1.0), num_tokens=1)),
+            RuntimeError,
+            r"scale_loss\(\) was called after end\(\) closed step 1",
+        ),
+    ],
+)
+def test_errors(steps, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        steps(Accumulator())
+
+
+@pytest.mark.parametrize("estimate", [0, -1.0, float("inf"), float("nan"), "big"])
+def test_bad_weight_estimate(estimate: object) -> None:
+    with pytest.raises(
+        ValueError, match=rf"weight_estimate={estimate!r} is not supported; pass a positive number"
+    ):
+        Accumulator(weight_estimate=estimate)  # type: ignore[arg-type]
