@@ -53,6 +53,7 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
-def test_the_readme_demo_command_runs_the_quickstart() -> None:
+def test_the_readme_demo_command_installs_and_runs_the_demo() -> None:
     demo, _ = readme_commands()
-    assert demo.endswith(".venv/bin/python examples/quickstart.py")
+    assert '-e ".[demo]"' in demo
+    assert demo.endswith(".venv/bin/python -m lossweight.demo")
