@@ -263,15 +263,22 @@ class _Step:
         self.microbatches = 0
         self.missing_losses = 0
         self.loss_sum: torch.Tensor | None = None
+        self._scales: torch.Tensor | None = None
 
     @property
     def counts_first(self) -> bool:
         return self.weights is not None
 
-    def global_weight(self) -> torch.Tensor:
-        """W as float64; waits for the count reduction the first time."""
-        assert self.counts is not None
-        return self.counts.result()[self.weight_slot].to(torch.float64)
+    def scales(self, divisor: float, loss_reduction: LossReduction) -> torch.Tensor:
+        """Every declared microbatch's factor (float64), computed once, when first needed:
+        that first call waits for the count reduction."""
+        if self._scales is None:
+            assert self.weights is not None and self.counts is not None
+            total = self.counts.result()[self.weight_slot].to(torch.float64)
+            weights = self.weights.to(torch.float64)
+            scales = weighting.backward_scale(weights, total, divisor, loss_reduction)
+            self._scales = scales.expand(weights.shape)  # a summed loss's factor is shared
+        return self._scales
 
     def add_loss(self, contribution: torch.Tensor) -> None:
         self.loss_sum = contribution if self.loss_sum is None else self.loss_sum + contribution
@@ -556,7 +563,8 @@ class Accumulator:
                     f"{step.index}, but begin() declared {len(step.weights)} microbatches; "
                     "declare one count per microbatch in begin()"
                 )
-            weight, total = step.weights[step.microbatches], step.global_weight()
+            weight = step.weights[step.microbatches]
+            scale = step.scales(self.divisor, self.loss_reduction)[step.microbatches]
         else:
             weight_name = f"num_{self.weight_by}"
             if given[weight_name] is None:
@@ -579,11 +587,10 @@ class Accumulator:
                     step.local_totals[slot] = step.local_totals[slot] + counts[name]
             weight = counts[weight_name]
             assert step.estimate is not None
-            total = step.estimate
+            scale = weighting.backward_scale(
+                weight.to(torch.float64), step.estimate, self.divisor, self.loss_reduction
+            )
         step.microbatches += 1
-        scale = weighting.backward_scale(
-            weight.to(torch.float64), total, self.divisor, self.loss_reduction
-        )
         return weight, scale
 
     def _estimate(self) -> torch.Tensor:
