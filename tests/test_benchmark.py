@@ -17,8 +17,16 @@ from benchmarks.step_cost import run_ranks
 @pytest.fixture(scope="module")
 def counts() -> dict:
     settings = argparse.Namespace(
-        steps=2, warmup=1, microbatches=3, rows=2, context=16, vocabulary=32, width=16,
-        layers=1, threads=2, seed=0,
+        steps=2,
+        warmup=1,
+        microbatches=3,
+        rows=2,
+        context=16,
+        vocabulary=32,
+        width=16,
+        layers=1,
+        threads=2,
+        seed=0,
     )
     return run_ranks(2, settings)
 

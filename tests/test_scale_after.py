@@ -88,6 +88,10 @@ def test_every_gradient_is_rescaled_whatever_its_dtype_and_unused_ones_are_skipp
         [torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 3), torch.nn.Linear(3, 3).bfloat16()]
     )
     unused = torch.nn.Parameter(torch.ones(2))
+    # A gradient on another device is accepted and stays there ("meta" holds no values, so only
+    # a GPU run can check the value of a second device's gradients).
+    elsewhere = torch.nn.Parameter(torch.ones(2, device="meta"))
+    elsewhere.grad = torch.ones(2, device="meta")
     x = torch.randn(4, 3, dtype=torch.float64)
 
     def loss_of(scale_loss) -> None:
@@ -105,8 +109,9 @@ def test_every_gradient_is_rescaled_whatever_its_dtype_and_unused_ones_are_skipp
 
     acc.begin()
     loss_of(lambda loss: acc.scale_loss(loss, num_tokens=4))
-    acc.end([*layers.parameters(), unused])
+    acc.end([*layers.parameters(), unused, elsewhere])
     assert unused.grad is None
+    assert elsewhere.grad.device.type == "meta"
     for p, expected in zip(layers.parameters(), reference, strict=True):
         tolerance = 1e-2 if p.dtype == torch.bfloat16 else 1e-6
         torch.testing.assert_close(p.grad.double(), expected, rtol=tolerance, atol=tolerance)
