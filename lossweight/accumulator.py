@@ -46,7 +46,7 @@ class Collective(Protocol):
 
     @property
     def device(self) -> torch.device:
-        """Where counts given as Python ints are placed to be reduced."""
+        """Where counts given on the CPU (Python ints included) are moved to be reduced."""
         ...
 
     def can_reduce_on(self, device: torch.device) -> bool:
