@@ -259,7 +259,7 @@ class _Step:
         self.weights = weights
         self.counts = counts
         self.estimate = estimate
-        self.local_totals: list[torch.Tensor | int] = [0, 0]
+        self.local_totals: dict[str, torch.Tensor] = {}  # scale-after: sums so far
         self.microbatches = 0
         self.missing_losses = 0
         self.loss_sum: torch.Tensor | None = None
@@ -419,21 +419,13 @@ class Accumulator:
                 f"num_samples has {lengths['num_samples']} counts but num_tokens has "
                 f"{lengths['num_tokens']}; give both one count per microbatch"
             )
-        device = self._counts_device(counts)
-        totals = torch.stack(
-            [
-                counts[name].to(device, non_blocking=True).sum()
-                if name in counts
-                else torch.zeros((), dtype=torch.int64, device=device)
-                for name in ("num_samples", "num_tokens")
-            ]
-        )
+        totals = self._totals(counts)
         self._steps_begun += 1
         self._step = _Step(
             self._steps_begun,
             self._weight_slot,
             ("num_samples" in counts, "num_tokens" in counts),
-            weights=counts[weight_name].to(device, non_blocking=True),
+            weights=counts[weight_name].to(totals.device, non_blocking=True),
             counts=self._reduce(totals, own_loss_sum=None),
         )
 
@@ -520,7 +512,7 @@ class Accumulator:
                     "each loss), to rescale their gradients: call end(model.parameters())"
                 )
             own_loss_sum = step.loss_sum if step.loss_sum is not None else torch.zeros(())
-            counts = self._reduce(self._scale_after_totals(step), own_loss_sum)
+            counts = self._reduce(self._totals(step.local_totals), own_loss_sum)
             loss_slot = _OWN_LOSS
             assert step.estimate is not None
             correction = weighting.gradient_correction(
@@ -582,9 +574,9 @@ class Accumulator:
                 )
             counts = {name: _as_count(name, c) for name, c in given.items() if c is not None}
             step.declared = declared
-            for slot, name in enumerate(("num_samples", "num_tokens")):
-                if name in counts:
-                    step.local_totals[slot] = step.local_totals[slot] + counts[name]
+            for name, count in counts.items():
+                running = step.local_totals.get(name)
+                step.local_totals[name] = count if running is None else running + count
             weight = counts[weight_name]
             assert step.estimate is not None
             scale = weighting.backward_scale(
@@ -600,13 +592,18 @@ class Accumulator:
             return torch.tensor(self._weight_estimate, dtype=torch.float64)
         return self._previous._global_weight()
 
-    def _scale_after_totals(self, step: _Step) -> torch.Tensor:
-        totals = {
-            name: torch.as_tensor(total, dtype=torch.int64)
-            for name, total in zip(("num_samples", "num_tokens"), step.local_totals, strict=True)
-        }
-        device = self._counts_device(totals)
-        return torch.stack([total.to(device, non_blocking=True) for total in totals.values()])
+    def _totals(self, counts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This rank's (samples, tokens) totals as int64, on the device they are reduced on;
+        0 for a count not given."""
+        device = self._counts_device(counts)
+        return torch.stack(
+            [
+                counts[name].to(device, non_blocking=True).sum()
+                if name in counts
+                else torch.zeros((), dtype=torch.int64, device=device)
+                for name in ("num_samples", "num_tokens")
+            ]
+        )
 
     def _reduce(self, totals: torch.Tensor, own_loss_sum: torch.Tensor | None) -> _Reduction:
         """Start the step's one all-reduce: its count totals, and the loss sums that travel
