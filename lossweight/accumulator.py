@@ -144,6 +144,10 @@ class _Reduction:
             self._handle = None
         return self._payload
 
+    def total(self, slot: int) -> torch.Tensor:
+        """One reduced number as float64, such as the step's global weight W."""
+        return self.result()[slot].to(torch.float64)
+
 
 # Where each number sits in the payload a step reduces: the step's two count totals, then, when
 # losses travel with them, the previous step's loss sum (loss_logging="next_step") and this
@@ -221,7 +225,7 @@ class StepResult:
         return self._loss
 
     def _global_weight(self) -> torch.Tensor:
-        return self._counts.result()[self._weight_slot].to(torch.float64)
+        return self._counts.total(self._weight_slot)
 
     def _count(self, slot: int) -> torch.Tensor | None:
         if not self._declared[slot]:
@@ -247,14 +251,12 @@ class _Step:
     def __init__(
         self,
         index: int,
-        weight_slot: int,
         declared: tuple[bool, bool],
         weights: torch.Tensor | None = None,
         counts: _Reduction | None = None,
         estimate: torch.Tensor | None = None,
     ) -> None:
         self.index = index
-        self.weight_slot = weight_slot
         self.declared = declared
         self.weights = weights
         self.counts = counts
@@ -269,12 +271,14 @@ class _Step:
     def counts_first(self) -> bool:
         return self.weights is not None
 
-    def scales(self, divisor: float, loss_reduction: LossReduction) -> torch.Tensor:
+    def scales(
+        self, weight_slot: int, divisor: float, loss_reduction: LossReduction
+    ) -> torch.Tensor:
         """Every declared microbatch's factor (float64), computed once, when first needed:
         that first call waits for the count reduction."""
         if self._scales is None:
             assert self.weights is not None and self.counts is not None
-            total = self.counts.result()[self.weight_slot].to(torch.float64)
+            total = self.counts.total(weight_slot)
             weights = self.weights.to(torch.float64)
             scales = weighting.backward_scale(weights, total, divisor, loss_reduction)
             self._scales = scales.expand(weights.shape)  # a summed loss's factor is shared
@@ -398,9 +402,7 @@ class Accumulator:
             self._steps_begun += 1
             # The weighting count is always given; the other one as the microbatches say.
             declared = (self._weight_slot == _SAMPLES, self._weight_slot == _TOKENS)
-            self._step = _Step(
-                self._steps_begun, self._weight_slot, declared, estimate=self._estimate()
-            )
+            self._step = _Step(self._steps_begun, declared, estimate=self._estimate())
             return
         weight_name = f"num_{self.weight_by}"
         given = {"num_samples": num_samples, "num_tokens": num_tokens}
@@ -423,7 +425,6 @@ class Accumulator:
         self._steps_begun += 1
         self._step = _Step(
             self._steps_begun,
-            self._weight_slot,
             ("num_samples" in counts, "num_tokens" in counts),
             weights=counts[weight_name].to(totals.device, non_blocking=True),
             counts=self._reduce(totals, own_loss_sum=None),
@@ -516,7 +517,7 @@ class Accumulator:
             loss_slot = _OWN_LOSS
             assert step.estimate is not None
             correction = weighting.gradient_correction(
-                counts.result()[self._weight_slot], step.estimate
+                counts.total(self._weight_slot), step.estimate
             )
             _scale_gradients(parameters, correction)
         self._step = None
@@ -556,7 +557,8 @@ class Accumulator:
                     "declare one count per microbatch in begin()"
                 )
             weight = step.weights[step.microbatches]
-            scale = step.scales(self.divisor, self.loss_reduction)[step.microbatches]
+            scales = step.scales(self._weight_slot, self.divisor, self.loss_reduction)
+            scale = scales[step.microbatches]
         else:
             weight_name = f"num_{self.weight_by}"
             if given[weight_name] is None:

@@ -24,7 +24,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lossweight import Accumulator
 
-from .problem import IGNORE, Batch, make_batch, make_model, microbatch_loss, reference, split
+from .problem import (
+    IGNORE,
+    Batch,
+    make_batch,
+    make_model,
+    max_relative_error,
+    microbatch_loss,
+    reference,
+    split,
+)
 
 # Every torch.distributed function a trainer or wrapper may issue a collective with.
 COLLECTIVES = (
@@ -148,11 +157,6 @@ def run_step(model, wrapper, microbatches, weight_by, loss_reduction, acc=None, 
     return acc.end(model.parameters()) if scale_after else acc.end()
 
 
-def relative_error(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
-    scale = max(float(e.abs().max()) for e in expected)
-    return max(float((a - e).abs().max()) for a, e in zip(actual, expected, strict=True)) / scale
-
-
 def scenario(rank: int, world_size: int, wrapper: str, config: dict) -> dict:
     weight_by, loss_reduction = config["weight_by"], config["loss_reduction"]
     grad_reduction, loss_logging = config["grad_reduction"], config["loss_logging"]
@@ -177,7 +181,7 @@ def scenario(rank: int, world_size: int, wrapper: str, config: dict) -> dict:
         "expected_loss": expected_loss,
         "expected_tokens": int(batch.num_tokens),
         "plain_collectives": dict(plain_calls),
-        "plain_relative_error": relative_error(full_gradients(plain), expected_grads),
+        "plain_relative_error": max_relative_error(full_gradients(plain), expected_grads),
     }
     grads = {}
     for mode in ("count_first", "scale_after"):
@@ -202,14 +206,14 @@ def scenario(rank: int, world_size: int, wrapper: str, config: dict) -> dict:
         with counting_collectives() as read_calls:
             logged = result.loss.item()
         outcome[mode] = {
-            "relative_error": relative_error(grads[mode], expected_grads),
+            "relative_error": max_relative_error(grads[mode], expected_grads),
             "logged_loss": logged,
             "num_tokens": int(result.num_tokens),
             "num_samples": int(result.num_samples),
             "step_collectives": dict(calls),
             "read_collectives": dict(read_calls),
         }
-    outcome["modes_relative_difference"] = relative_error(
+    outcome["modes_relative_difference"] = max_relative_error(
         grads["scale_after"], grads["count_first"]
     )
     return outcome

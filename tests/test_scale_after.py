@@ -99,7 +99,6 @@ def test_every_gradient_is_rescaled_whatever_its_dtype_and_unused_ones_are_skipp
             out = layer(x.to(layer.weight.dtype)).float().sum()
             scale_loss(out).backward()
 
-    reference = [torch.zeros_like(p, dtype=torch.float64) for p in layers.parameters()]
     acc = Accumulator(loss_reduction="sum")
     acc.begin(num_tokens=[4, 4, 4])
     loss_of(acc.scale_loss)
