@@ -9,12 +9,17 @@ logged loss are those of the whole batch, whatever the split.
 The dependency-free math is in :mod:`lossweight.weighting`.
 """
 
-from lossweight.accumulator import Accumulator, Collective, StepResult, Waitable
-from lossweight.counting import count_tokens, count_tokens_per_row, token_cross_entropy
+from ._payload import DisagreementError
+from .accumulator import Accumulator, StepContext
+from .collectives import Collective, Waitable
+from .counting import count_tokens, count_tokens_per_row, token_cross_entropy
+from .result import StepResult
 
 __all__ = [
     "Accumulator",
     "Collective",
+    "DisagreementError",
+    "StepContext",
     "StepResult",
     "Waitable",
     "count_tokens",

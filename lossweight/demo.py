@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import math
 import tempfile
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lossweight import Accumulator, count_tokens, token_cross_entropy
+from . import Accumulator, count_tokens, token_cross_entropy
+from .testing import InProcessGroup
 
 VOCABULARY = 32
 CONTEXT = 64
@@ -70,7 +70,8 @@ class TinyLM(nn.Module):
         causal = torch.ones(length, length, dtype=torch.bool).triu(1)  # True: may not attend
         h = self.norm1(x)
         x = x + self.attention(h, h, h, attn_mask=causal, need_weights=False)[0]
-        return self.head(x + self.mlp(self.norm2(x)))
+        logits: torch.Tensor = self.head(x + self.mlp(self.norm2(x)))
+        return logits
 
 
 def make_batches(seed: int, steps: int) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -140,10 +141,9 @@ def backward_microbatches(
         skip_sync = isinstance(model, DistributedDataParallel) and not last
         with model.no_sync() if skip_sync else contextlib.nullcontext():  # type: ignore[operator]
             summed, count = step_loss(model, rows)
-            if method == "naive":
-                (summed / count / len(shard)).backward()  # the mean, over accumulation steps
-            else:
-                acc.scale_loss(summed).backward()
+            # Naive: the microbatch's mean, divided by the accumulation steps.
+            loss = summed / count / len(shard) if method == "naive" else acc.scale_loss(summed)
+            loss.backward()  # type: ignore[no-untyped-call]
         loss_sum, tokens = loss_sum + summed.detach(), tokens + count
     return loss_sum, tokens
 
@@ -170,60 +170,6 @@ class Run:
     gradient_difference: float = math.nan  # to the reference, after the first step
 
 
-class InProcessRanks:
-    """Data-parallel ranks simulated one after the other in this process.
-
-    Each rank's all-reduce is summed with the other ranks' call of the same number when it is
-    first waited on, so every rank must start it (``begin()``) before any rank waits on it
-    (its first ``scale_loss()``): that is how the demo drives its simulated ranks.
-    """
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self._calls: dict[int, list[torch.Tensor]] = defaultdict(list)
-        self._summed: set[int] = set()
-
-    def rank(self, rank: int) -> _InProcessRank:
-        return _InProcessRank(self)
-
-    def _sum(self, call: int) -> None:
-        if call in self._summed:
-            return
-        tensors = self._calls[call]
-        if len(tensors) != self.world_size:
-            raise RuntimeError(f"all-reduce {call} waited on before every rank started it")
-        total = torch.stack(tensors).sum(dim=0)
-        for tensor in tensors:
-            tensor.copy_(total)
-        self._summed.add(call)
-
-
-class _InProcessRank:
-    device = torch.device("cpu")
-
-    def __init__(self, group: InProcessRanks) -> None:
-        self._group = group
-        self._issued = 0
-        self.world_size = group.world_size
-
-    def can_reduce_on(self, device: torch.device) -> bool:
-        return device.type == "cpu"
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> _Pending:
-        call, self._issued = self._issued, self._issued + 1
-        self._group._calls[call].append(tensor)
-        return _Pending(self._group, call)
-
-
-@dataclass
-class _Pending:
-    group: InProcessRanks
-    call: int
-
-    def wait(self) -> None:
-        self.group._sum(self.call)
-
-
 def train_in_process(
     split: str,
     method: str,
@@ -237,9 +183,11 @@ def train_in_process(
     model = TinyLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     world_size = len(SPLITS[split])
-    group = InProcessRanks(world_size)
+    # Driven one rank after the other from this thread: every rank starts a reduction (in
+    # begin() and end()) before any rank waits for it.
+    group = InProcessGroup(world_size)
     accs = [
-        Accumulator(weight_by="tokens", loss_reduction="sum", collective=group.rank(rank))
+        Accumulator(weight_by="tokens", loss_reduction="sum", collective=group.collective(rank))
         for rank in range(world_size)
     ]
     run = Run(split, method)
@@ -272,7 +220,7 @@ def finish_step(run: Run, model: nn.Module, optimizer: torch.optim.Optimizer, lo
 
 
 def gloo_worker(
-    rank: int, world_size: int, scratch: str, seed: int, steps: int, messages: mp.SimpleQueue
+    rank: int, world_size: int, scratch: str, seed: int, steps: int, messages: mp.SimpleQueue[str]
 ) -> None:
     """One real data-parallel rank: DDP over gloo, ``no_sync`` on all but the last microbatch.
 
@@ -312,7 +260,7 @@ def train_gloo(seed: int, steps: int, advance: Progress) -> list[Run]:
     """Spawn the 2 gloo ranks and relay their progress while they train."""
     messages = mp.get_context("spawn").SimpleQueue()
     with tempfile.TemporaryDirectory() as scratch:
-        processes = mp.start_processes(
+        processes = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
             gloo_worker,
             args=(2, scratch, seed, steps, messages),
             nprocs=2,

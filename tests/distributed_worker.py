@@ -1,9 +1,9 @@
 """What each process of the multi-process tests runs (see test_distributed.py).
 
 Every rank builds the same global batch and the same model, runs one optimizer step on its own
-share of the rows under a real data-parallel wrapper (DDP or FSDP2) over a gloo process group,
-compares its gradients with the single-process full-batch reference, and writes what it saw to
-a JSON file that the test process checks.
+share of the rows under a real data-parallel wrapper (DDP or FSDP2) over a gloo process group
+(started by tests/gloo.py), compares its gradients with the single-process full-batch
+reference, and returns what it saw, as JSON-able values, for the test process to check.
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import json
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -141,7 +139,7 @@ def run_step(model, wrapper, microbatches, weight_by, loss_reduction, acc=None, 
             num_tokens=[mb.num_tokens for mb in microbatches],
         )
     elif acc is not None:
-        acc.begin()
+        acc.begin(parameters=model.parameters())
     for i, mb in enumerate(microbatches):
         with microbatch_context(model, wrapper, last=i == len(microbatches) - 1):
             loss = microbatch_loss(model, mb, weight_by, loss_reduction)
@@ -154,12 +152,20 @@ def run_step(model, wrapper, microbatches, weight_by, loss_reduction, acc=None, 
             loss.backward()
     if acc is None:
         return None
-    return acc.end(model.parameters()) if scale_after else acc.end()
+    return acc.end()
+
+
+# The steps each scenario runs: count first with either loss_logging, and scale after.
+MODES = {
+    "count_first/end": (False, "end"),
+    "count_first/next_step": (False, "next_step"),
+    "scale_after": (True, None),  # loss_logging from the config: its loss travels either way
+}
 
 
 def scenario(rank: int, world_size: int, wrapper: str, config: dict) -> dict:
     weight_by, loss_reduction = config["weight_by"], config["loss_reduction"]
-    grad_reduction, loss_logging = config["grad_reduction"], config["loss_logging"]
+    grad_reduction = config["grad_reduction"]
     batch, sizes = global_batch(world_size, weight_by, seed=config["seed"])
     base = make_model(config["seed"])
     expected_loss, expected_grads = reference(base, batch, weight_by)
@@ -180,41 +186,50 @@ def scenario(rank: int, world_size: int, wrapper: str, config: dict) -> dict:
     outcome = {
         "expected_loss": expected_loss,
         "expected_tokens": int(batch.num_tokens),
+        "expected_samples": batch.num_samples,
         "plain_collectives": dict(plain_calls),
         "plain_relative_error": max_relative_error(full_gradients(plain), expected_grads),
     }
     grads = {}
-    for mode in ("count_first", "scale_after"):
+    for mode, (scale_after, loss_logging) in MODES.items():
         model = wrap(copy.deepcopy(base), wrapper, world_size, grad_reduction)
         acc = Accumulator(
             weight_by=weight_by,
             loss_reduction=loss_reduction,
             grad_reduction=grad_reduction,
-            loss_logging=loss_logging,
+            loss_logging=loss_logging or config["scale_after_logging"],
         )
         with counting_collectives() as calls:
             result = run_step(
-                model,
-                wrapper,
-                microbatches,
-                weight_by,
-                loss_reduction,
-                acc,
-                scale_after=mode == "scale_after",
+                model, wrapper, microbatches, weight_by, loss_reduction, acc, scale_after
             )
         grads[mode] = full_gradients(model)
+        try:
+            result.loss  # noqa: B018 (read for its error)
+            early_read = "ready"
+        except RuntimeError as error:  # a next_step loss has not travelled yet
+            early_read = f"RuntimeError: {error}"
+        # The reduction that carries a next_step loss; nothing to carry in the other modes.
+        with counting_collectives() as flush_calls:
+            acc.flush()
         with counting_collectives() as read_calls:
             logged = result.loss.item()
+            num_tokens, num_samples = int(result.num_tokens), int(result.num_samples)
+            flags = bool(result.is_empty), bool(result.nonfinite_loss)
         outcome[mode] = {
             "relative_error": max_relative_error(grads[mode], expected_grads),
             "logged_loss": logged,
-            "num_tokens": int(result.num_tokens),
-            "num_samples": int(result.num_samples),
+            "num_tokens": num_tokens,
+            "num_samples": num_samples,
+            "is_empty_or_nonfinite": flags,
+            "step": result.step,
+            "read_before_flush": early_read,
             "step_collectives": dict(calls),
+            "flush_collectives": dict(flush_calls),
             "read_collectives": dict(read_calls),
         }
-    outcome["modes_relative_difference"] = max_relative_error(
-        grads["scale_after"], grads["count_first"]
+    outcome["modes_relative_difference"] = max(
+        max_relative_error(grads[mode], grads["count_first/end"]) for mode in MODES
     )
     return outcome
 
@@ -224,14 +239,14 @@ CONFIGS = {
         weight_by=weight_by,
         loss_reduction=loss_reduction,
         grad_reduction=grad_reduction,
-        loss_logging=loss_logging,
+        scale_after_logging=scale_after_logging,
         seed=seed,
     )
-    for name, weight_by, loss_reduction, grad_reduction, loss_logging, seed in [
-        ("tokens-sum", "tokens", "sum", "mean", "on_read", 1),
+    for name, weight_by, loss_reduction, grad_reduction, scale_after_logging, seed in [
+        ("tokens-sum", "tokens", "sum", "mean", "end", 1),
         ("tokens-mean", "tokens", "mean", "mean", "next_step", 2),
-        ("samples-mean", "samples", "mean", "mean", "on_read", 3),
-        ("tokens-sum-gradsum", "tokens", "sum", "sum", "on_read", 4),
+        ("samples-mean", "samples", "mean", "mean", "end", 3),
+        ("tokens-sum-gradsum", "tokens", "sum", "sum", "next_step", 4),
     ]
 }
 SCENARIOS = [
@@ -242,16 +257,9 @@ SCENARIOS = [
 ]
 
 
-def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
-    )
-    try:
-        results = {
-            f"{wrapper}/{name}": scenario(rank, world_size, wrapper, CONFIGS[name])
-            for wrapper, name in SCENARIOS
-        }
-    finally:
-        dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+def run(rank: int, world_size: int) -> dict:
+    """Every scenario on this rank (run by tests/gloo.py's run_ranks)."""
+    return {
+        f"{wrapper}/{name}": scenario(rank, world_size, wrapper, CONFIGS[name])
+        for wrapper, name in SCENARIOS
+    }

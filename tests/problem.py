@@ -28,6 +28,10 @@ class Batch:
     def rows(self, start: int, stop: int) -> Batch:
         return Batch(self.features[start:stop], self.labels[start:stop])
 
+    def take(self, rows: list[int]) -> Batch:
+        index = torch.tensor(rows, dtype=torch.int64)
+        return Batch(self.features[index], self.labels[index])
+
     @property
     def num_samples(self) -> int:
         return self.labels.shape[0]

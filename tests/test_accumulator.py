@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import itertools
 import math
 
 import pytest
@@ -12,7 +11,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lossweight import Accumulator
+from lossweight import Accumulator, StepResult
+from lossweight.testing import InProcessCollective, InProcessGroup, strategies
 
 from .problem import (
     IGNORE,
@@ -22,32 +22,19 @@ from .problem import (
     max_relative_error,
     microbatch_loss,
     reference,
-    split,
 )
-from .ranks import run_ranks
 
 
 @st.composite
-def layouts(draw: st.DrawFn, weight_by: str) -> tuple[list[int], list[list[int]]]:
-    """Row lengths of a step, and its rows split into ranks x microbatches (sizes in rows).
+def steps(draw: st.DrawFn, weight_by: str) -> tuple[list[int], list[list[list[int]]]]:
+    """Row lengths of a step, and its rows split into ranks of microbatches (row indices).
 
     Rows may be all padding (weighting by tokens), microbatches may hold no row, ranks may
     hold no microbatch or only empty ones, and the whole step may be empty.
     """
     min_length = 1 if weight_by == "samples" else 0  # a sample's loss is a mean over its tokens
     lengths = draw(st.lists(st.integers(min_length, 6), max_size=10))
-    world_size = draw(st.integers(1, 4))
-    per_rank = [draw(st.integers(0, 3)) for _ in range(world_size)]
-    per_rank[0] = max(per_rank[0], 1)  # the rows must go somewhere
-    slots = sum(per_rank)
-    cuts = draw(st.lists(st.integers(0, len(lengths)), min_size=slots - 1, max_size=slots - 1))
-    bounds = [0, *sorted(cuts), len(lengths)]
-    sizes = [b - a for a, b in itertools.pairwise(bounds)]
-    layout, first = [], 0
-    for count in per_rank:
-        layout.append(sizes[first : first + count])
-        first += count
-    return lengths, layout
+    return lengths, draw(strategies.splits(len(lengths), max_microbatches=3))
 
 
 def divisor_of(grad_reduction: object, world_size: int) -> float:
@@ -57,7 +44,7 @@ def divisor_of(grad_reduction: object, world_size: int) -> float:
 def run_step(
     model: torch.nn.Module,
     batch: Batch,
-    layout: list[list[int]],
+    ranks: list[list[list[int]]],
     scale_after: bool = False,
     **options: object,
 ) -> tuple[list[torch.Tensor], list[float]]:
@@ -68,18 +55,14 @@ def run_step(
     """
     weight_by = str(options.get("weight_by", "tokens"))
     loss_reduction = str(options.get("loss_reduction", "mean"))
-    world_size = len(layout)
-    starts = split(batch.num_samples, [sum(sizes) for sizes in layout])
+    world_size = len(ranks)
 
-    def rank_step(rank: int, collective: object) -> tuple[list[torch.Tensor], float]:
+    def rank_step(rank: int, collective: InProcessCollective) -> tuple[list[torch.Tensor], float]:
         replica = copy.deepcopy(model)
         acc = Accumulator(collective=collective, **options)  # type: ignore[arg-type]
-        begin, stop = starts[rank]
-        microbatches = [
-            batch.rows(begin + a, begin + b) for a, b in split(stop - begin, layout[rank])
-        ]
+        microbatches = [batch.take(rows) for rows in ranks[rank]]
         if scale_after:
-            acc.begin()
+            acc.begin(parameters=replica.parameters())
         else:
             acc.begin(
                 num_samples=[mb.num_samples for mb in microbatches],
@@ -89,13 +72,14 @@ def run_step(
             loss = microbatch_loss(replica, mb, weight_by, loss_reduction)
             counts = {"num_samples": mb.num_samples, "num_tokens": mb.num_tokens}
             acc.scale_loss(loss, **(counts if scale_after else {})).backward()
-        result = acc.end(replica.parameters()) if scale_after else acc.end()
+        result = acc.end()
+        acc.flush()  # with loss_logging="next_step", the last count-first loss travels now
         grads = [
             p.grad if p.grad is not None else torch.zeros_like(p) for p in replica.parameters()
         ]
         return grads, result.loss.item()
 
-    results = run_ranks(world_size, rank_step)
+    results = InProcessGroup(world_size).run(rank_step)
     divisor = divisor_of(options.get("grad_reduction", "mean"), world_size)
     combined = [
         sum(grads) / divisor for grads in zip(*(grads for grads, _ in results), strict=True)
@@ -106,18 +90,18 @@ def run_step(
 @settings(max_examples=400)
 @given(
     st.sampled_from(["tokens", "samples"]).flatmap(
-        lambda weight_by: st.tuples(st.just(weight_by), layouts(weight_by))
+        lambda weight_by: st.tuples(st.just(weight_by), steps(weight_by))
     ),
     st.sampled_from(["mean", "sum"]),
     st.sampled_from(["mean", "sum", 0.5, 3.0]),
-    st.sampled_from(["on_read", "next_step"]),
+    st.sampled_from(["end", "next_step"]),
     st.booleans(),
     st.integers(0, 2**16),
     st.booleans(),
     st.sampled_from([1.0, 7.0, 1e6]),
 )
 def test_gradient_and_logged_loss_do_not_depend_on_the_split(
-    case: tuple[str, tuple[list[int], list[list[int]]]],
+    case: tuple[str, tuple[list[int], list[list[list[int]]]]],
     loss_reduction: str,
     grad_reduction: object,
     loss_logging: str,
@@ -126,14 +110,14 @@ def test_gradient_and_logged_loss_do_not_depend_on_the_split(
     scale_after: bool,
     weight_estimate: float,
 ) -> None:
-    weight_by, (lengths, layout) = case
+    weight_by, (lengths, ranks) = case
     batch = make_batch(lengths, max_length=6, seed=seed, left_padding=left_padding)
     model = make_model(seed)
     expected_loss, expected_grads = reference(model, batch, weight_by)
     grads, losses = run_step(
         model,
         batch,
-        layout,
+        ranks,
         weight_by=weight_by,
         loss_reduction=loss_reduction,
         grad_reduction=grad_reduction,
@@ -154,7 +138,8 @@ def test_uneven_split_with_an_empty_microbatch_and_an_all_padding_rank() -> None
     batch.labels[2:4] = IGNORE
     model = make_model(3)
     expected_loss, expected_grads = reference(model, batch, "tokens")
-    grads, losses = run_step(model, batch, [[2, 0], [2], [1, 1]], loss_reduction="mean")
+    ranks = [[[0, 1], []], [[2, 3]], [[4], [5]]]
+    grads, losses = run_step(model, batch, ranks, loss_reduction="mean")
     assert max_relative_error(grads, expected_grads) < 1e-12
     assert losses == [pytest.approx(expected_loss, rel=1e-12)] * 3
 
@@ -173,7 +158,9 @@ def one_param_step(acc: Accumulator, token_counts: list[int], loss_reduction: st
 def test_scales_of_a_known_step(loss_reduction: str) -> None:
     acc = Accumulator(loss_reduction=loss_reduction)  # type: ignore[arg-type]
     acc.begin(num_tokens=[3, 0, 1])
-    scales = [acc.backward_scale() for _ in range(3)]
+    scales = [acc.backward_scale(index) for index in range(3)]
+    for _ in range(3):
+        acc.scale_loss(torch.tensor(1.0))
     acc.end()
     expected = [0.75, 0.0, 0.25] if loss_reduction == "mean" else [0.25, 0.25, 0.25]
     assert [s.item() for s in scales] == expected
@@ -201,7 +188,7 @@ def test_an_empty_mean_microbatch_leaks_no_nan() -> None:
 
 
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
-@pytest.mark.parametrize("loss_logging", ["on_read", "next_step"])
+@pytest.mark.parametrize("loss_logging", ["end", "next_step"])
 def test_an_empty_step_gives_zero_gradients_a_zero_loss_and_a_flag(
     loss_reduction: str, loss_logging: str
 ) -> None:
@@ -216,6 +203,7 @@ def test_an_empty_step_gives_zero_gradients_a_zero_loss_and_a_flag(
         )
         acc.scale_loss(loss).backward()
     result = acc.end()
+    acc.flush()
     assert result.is_empty.item() is True
     assert result.is_empty.dtype == torch.bool
     assert result.loss.item() == 0.0
@@ -224,8 +212,8 @@ def test_an_empty_step_gives_zero_gradients_a_zero_loss_and_a_flag(
 
 
 def test_a_rank_may_declare_no_microbatch() -> None:
-    def rank_step(rank: int, collective: object) -> tuple[int, float, bool]:
-        acc = Accumulator(collective=collective)  # type: ignore[arg-type]
+    def rank_step(rank: int, collective: InProcessCollective) -> tuple[int, float, bool]:
+        acc = Accumulator(loss_reduction="mean", collective=collective)  # type: ignore[arg-type]
         x = torch.ones((), dtype=torch.float64, requires_grad=True)
         counts = [] if rank == 0 else [2, 2]
         acc.begin(num_tokens=counts)
@@ -234,7 +222,7 @@ def test_a_rank_may_declare_no_microbatch() -> None:
         result = acc.end()
         return int(result.num_tokens), result.loss.item(), bool(result.is_empty)
 
-    assert run_ranks(2, rank_step) == [(4, 3.0, False), (4, 3.0, False)]
+    assert InProcessGroup(2).run(rank_step) == [(4, 3.0, False), (4, 3.0, False)]
 
 
 @pytest.mark.parametrize(
@@ -249,17 +237,19 @@ def test_a_rank_may_declare_no_microbatch() -> None:
     ids=["ints", "tensor", "int32-tensor", "mixed", "0-dim-tensors"],
 )
 def test_counts_in_every_accepted_form(counts: object) -> None:
-    acc = Accumulator()
+    acc = Accumulator(loss_reduction="mean")
     acc.begin(num_tokens=counts)  # type: ignore[arg-type]
-    assert [acc.backward_scale().item() for _ in range(2)] == [0.75, 0.25]
+    assert [acc.backward_scale(index).item() for index in range(2)] == [0.75, 0.25]
+    acc.scale_loss(torch.tensor(1.0))
+    acc.scale_loss(torch.tensor(1.0))
     result = acc.end()
     assert result.num_tokens.dtype == torch.int64 and result.num_tokens.item() == 4
-    assert result.num_samples is None
+    assert result.num_samples.item() == -1  # not given
 
 
-@pytest.mark.parametrize("loss_logging", ["on_read", "next_step"])
+@pytest.mark.parametrize("loss_logging", ["end", "next_step"])
 def test_counts_are_exact_beyond_float32_and_bf16(loss_logging: str) -> None:
-    acc = Accumulator(weight_by="samples", loss_logging=loss_logging)  # type: ignore[arg-type]
+    acc = Accumulator(weight_by="samples", loss_reduction="mean", loss_logging=loss_logging)  # type: ignore[arg-type]
     big = 2**52 + 1
     acc.begin(num_samples=[big, 2], num_tokens=[big, big])
     acc.scale_loss(torch.tensor(1.0))
@@ -269,49 +259,57 @@ def test_counts_are_exact_beyond_float32_and_bf16(loss_logging: str) -> None:
     assert result.num_tokens.item() == 2 * big
 
 
-def step_with_losses(acc: Accumulator, losses: list[float]) -> object:
+def step_with_losses(acc: Accumulator, losses: list[float]) -> StepResult:
     acc.begin(num_tokens=[1] * len(losses))
     for value in losses:
         acc.scale_loss(torch.tensor(value, dtype=torch.float64))
     return acc.end()
 
 
-def test_next_step_logging_carries_the_loss_in_the_next_count_reduction() -> None:
-    def rank_steps(rank: int, collective: object) -> tuple[list[float], int]:
-        acc = Accumulator(collective=collective, loss_logging="next_step")  # type: ignore[arg-type]
+def test_next_step_logging_carries_the_loss_in_the_next_reduction() -> None:
+    def rank_steps(rank: int, collective: InProcessCollective) -> tuple[list[float], list[int]]:
+        acc = Accumulator(loss_reduction="mean", collective=collective, loss_logging="next_step")  # type: ignore[arg-type]
         first = step_with_losses(acc, [1.0 + rank, 3.0])
+        with pytest.raises(RuntimeError, match=r"the loss of step 1 is not reduced yet"):
+            _ = first.loss  # its ride has not left: no collective is issued for it
+        calls = [collective.calls]
         second = step_with_losses(acc, [10.0 * (rank + 1)])
-        calls_after_two_steps = collective._issued  # type: ignore[attr-defined]
+        calls.append(collective.calls)
         logged = [first.loss.item()]  # arrived with the second step's counts
-        calls_for_free_read = collective._issued - calls_after_two_steps  # type: ignore[attr-defined]
-        logged.append(second.loss.item())  # no next step yet: an all-reduce of its own
-        return logged, calls_after_two_steps * 10 + calls_for_free_read
+        acc.flush()  # the last step's loss: one all-reduce, on every rank
+        calls.append(collective.calls)
+        logged.append(second.loss.item())
+        acc.flush()  # nothing waits any more: no collective
+        calls.append(collective.calls)
+        return logged, calls
 
-    results = run_ranks(2, rank_steps)
+    results = InProcessGroup(2).run(rank_steps)
     # Step 1: losses (1, 3) on rank 0 and (2, 3) on rank 1, one token each.
-    assert results == [([9.0 / 4, 15.0], 20), ([9.0 / 4, 15.0], 20)]
+    assert results == [([9.0 / 4, 15.0], [1, 2, 3, 3])] * 2
 
 
-def test_on_read_logging_reduces_once_when_first_read() -> None:
-    def rank_step(rank: int, collective: object) -> tuple[float, float, int]:
-        acc = Accumulator(collective=collective)  # type: ignore[arg-type]
+def test_end_logging_reduces_the_loss_in_end_and_reads_issue_nothing() -> None:
+    def rank_step(rank: int, collective: InProcessCollective) -> tuple[float, float, int, int]:
+        acc = Accumulator(loss_reduction="mean", collective=collective)  # type: ignore[arg-type]
         result = step_with_losses(acc, [2.0 * (rank + 1)])
-        before = collective._issued  # type: ignore[attr-defined]
+        after_end = collective.calls
         first, again = result.loss.item(), result.loss.item()
-        return first, again, collective._issued - before  # type: ignore[attr-defined]
+        return first, again, after_end, collective.calls
 
-    assert run_ranks(3, rank_step) == [(4.0, 4.0, 1)] * 3
+    assert InProcessGroup(3).run(rank_step) == [(4.0, 4.0, 2, 2)] * 3
 
 
-def test_the_loss_is_unknown_when_a_microbatch_bypassed_scale_loss() -> None:
-    acc = Accumulator()
-    acc.begin(num_tokens=[1, 1])
-    acc.backward_scale()
-    acc.scale_loss(torch.tensor(1.0))
-    result = acc.end()
-    assert result.num_tokens.item() == 2
-    with pytest.raises(RuntimeError, match=r"1 of its microbatches went through backward_scale"):
-        _ = result.loss
+def test_reading_a_factor_does_not_take_the_microbatch() -> None:
+    acc = Accumulator(loss_reduction="mean")
+    acc.begin(num_tokens=[3, 1])
+    assert acc.backward_scale().item() == 0.75  # the next microbatch's, read twice
+    assert acc.backward_scale().item() == 0.75
+    assert acc.backward_scale(1).item() == 0.25
+    x = torch.ones((), requires_grad=True)
+    assert acc.scale_loss(x * 2.0).item() == 1.5  # still microbatch 0
+    assert acc.backward_scale().item() == 0.25
+    acc.scale_loss(x * 2.0)
+    assert acc.end().loss.item() == 2.0
 
 
 def test_the_hot_path_reads_no_tensor_back_to_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -326,38 +324,82 @@ def test_the_hot_path_reads_no_tensor_back_to_the_host(monkeypatch: pytest.Monke
             return _original(self, *args)
 
         monkeypatch.setattr(torch.Tensor, name, counting)
-    for loss_logging in ("on_read", "next_step"):
-        acc = Accumulator(loss_logging=loss_logging)  # type: ignore[arg-type]
-        model = torch.nn.Linear(4, 3)
-        for _ in range(2):
-            labels = torch.tensor([[0, IGNORE], [IGNORE, IGNORE]])
-            acc.begin(num_tokens=(labels != IGNORE).sum(dim=1), num_samples=[1, 1])
-            for row in labels:
-                loss = F.cross_entropy(model(torch.randn(2, 4)), row, reduction="sum")
-                acc.scale_loss(loss).backward()
-            result = acc.end()
-            torch.stack([result.loss, result.num_tokens, result.is_empty])
+    for loss_logging in ("end", "next_step"):
+        for scale_after in (False, True):
+            acc = Accumulator(loss_reduction="sum", loss_logging=loss_logging)  # type: ignore[arg-type]
+            model = torch.nn.Linear(4, 3)
+            for _ in range(2):
+                labels = torch.tensor([[0, IGNORE], [IGNORE, IGNORE]])
+                counts = (labels != IGNORE).sum(dim=1)
+                if scale_after:
+                    acc.begin(parameters=model.parameters())
+                else:
+                    acc.begin(num_tokens=counts, num_samples=[1, 1])
+                for row, count in zip(labels, counts, strict=True):
+                    loss = F.cross_entropy(model(torch.randn(2, 4)), row, reduction="sum")
+                    given = {"num_tokens": count, "num_samples": 1} if scale_after else {}
+                    acc.scale_loss(loss, **given).backward()
+                result = acc.end()
+                acc.flush()
+                torch.stack([result.loss, result.num_tokens, result.is_empty])
+                model.zero_grad()
     assert reads == []
 
 
-def test_cpu_counts_go_to_the_collective_device() -> None:
-    # A collective that reduces on "meta" only: CPU counts (ints or tensors) are moved there.
-    class MetaCollective:
-        world_size = 1
-        device = torch.device("meta")
+class MetaCollective:
+    """Reduces on "meta" only: tensors there have shapes but no values, so any read of a value
+    on the way would raise."""
 
-        def can_reduce_on(self, device: torch.device) -> bool:
-            return device.type == "meta"
+    world_size = 2
+    device = torch.device("meta")
 
-        def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-            assert tensor.device.type == "meta"
+    def can_reduce_on(self, device: torch.device) -> bool:
+        return device.type == "meta"
 
-    acc = Accumulator(collective=MetaCollective())
-    acc.begin(num_tokens=torch.tensor([3, 1]), num_samples=[1, 1])
-    assert acc.backward_scale().device.type == "meta"
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        assert tensor.device.type == "meta"
+
+
+@pytest.mark.parametrize("loss_logging", ["end", "next_step"])
+def test_a_whole_step_on_a_device_whose_values_cannot_be_read(loss_logging: str) -> None:
+    # CPU counts (ints or tensors) move to the collective's device; every check there is a
+    # device-side assert, as on a GPU, so nothing on the path needs a value on the host.
+    acc = Accumulator(loss_reduction="mean", collective=MetaCollective(), loss_logging=loss_logging)  # type: ignore[arg-type]
+    x = torch.ones((), device="meta", requires_grad=True)
+    for _ in range(2):
+        acc.begin(num_tokens=torch.tensor([3, 1]), num_samples=[1, 1])
+        assert acc.backward_scale().device.type == "meta"
+        for _ in range(2):
+            acc.scale_loss(x * 2.0).backward()
+        result = acc.end()
+    acc.flush()
+    assert result.loss.device.type == "meta" and result.num_tokens.device.type == "meta"
+    acc.begin(parameters=[x])
+    acc.scale_loss(x * 2.0, num_tokens=torch.tensor(3, device="meta")).backward()
+    assert acc.end().nonfinite_loss.device.type == "meta"
 
 
 def test_cpu_items_join_the_accelerator_items_of_a_list() -> None:
-    acc = Accumulator()
+    acc = Accumulator(loss_reduction="mean", collective=MetaCollective())  # type: ignore[arg-type]
     acc.begin(num_tokens=[torch.tensor(3, device="meta"), torch.tensor(1), 2])
     assert acc.backward_scale().device.type == "meta"
+
+
+@pytest.mark.parametrize("scale_after", [False, True], ids=["count-first", "scale-after"])
+def test_a_framework_that_divides_the_loss_is_accounted_for(scale_after: bool) -> None:
+    # A framework (Accelerate, Lightning) divides each loss by its accumulation steps before
+    # the backward; the factors undo that, so the gradient is the step's mean again.
+    x = torch.ones((), dtype=torch.float64, requires_grad=True)
+    acc = Accumulator(loss_reduction="sum", framework_divides_loss_by=4)
+    counts = [3, 0, 1, 4]
+    if scale_after:
+        acc.begin(parameters=[x])
+    else:
+        acc.begin(num_tokens=counts)
+        assert acc.backward_scale(0).item() == 4 / 8
+    for count in counts:
+        given = {"num_tokens": count} if scale_after else {}
+        (acc.scale_loss(x * 2.0 * count, **given) / 4).backward()  # what the framework does
+    result = acc.end()
+    assert x.grad.item() == pytest.approx(2.0, rel=1e-15)  # d/dx of 8 items of loss 2x, mean
+    assert result.loss.item() == 2.0

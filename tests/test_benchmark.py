@@ -1,8 +1,9 @@
 """The benchmark's invariants that are not timings, from a real 2-rank gloo run of it.
 
 Timings are left to the benchmark itself (docs/performance.md); what it counts is checked
-here: lossweight's one collective per step, logged loss included, and no host sync on its
-scaling path, beside the documented counts of the other trainers' patterns.
+here: lossweight's collectives per step (one with the logged loss included, or two when a
+count-first step's end() reduces its loss), their bytes, and no host sync on its path, beside
+the documented counts of the other trainers' patterns.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import pytest
 
 from benchmarks.step_cost import run_ranks
+from lossweight._payload import LENGTH
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +33,15 @@ def counts() -> dict:
     return run_ranks(2, settings)
 
 
-def test_lossweight_issues_one_collective_and_no_host_sync_per_step(counts: dict) -> None:
-    for name, payload in [("lossweight count-first", 3 * 8), ("lossweight scale-after", 4 * 8)]:
-        assert counts[name]["collectives_per_step"] == {"all_reduce": 1}
-        assert counts[name]["bytes_per_step"] == payload  # float64 counts and loss sums
+def test_lossweight_issues_its_collectives_and_no_host_sync_per_step(counts: dict) -> None:
+    payload = LENGTH * 8  # float64: agreement codes, count limbs, loss sums
+    for name, reductions in [
+        ("lossweight count-first", 1),  # the loss rides on the next step's counts
+        ("lossweight count-first, loss in end()", 2),
+        ("lossweight scale-after", 1),  # the loss travels with the counts
+    ]:
+        assert counts[name]["collectives_per_step"] == {"all_reduce": reductions}
+        assert counts[name]["bytes_per_step"] == reductions * payload
         assert counts[name]["host_reads_per_step"] == 0
 
 

@@ -7,18 +7,22 @@ import torch
 import torch.nn.functional as F
 
 from lossweight import Accumulator, token_cross_entropy
-
-from .ranks import run_ranks
+from lossweight.testing import InProcessCollective, InProcessGroup
 
 
 def test_provisional_scales_assume_the_previous_step_weight() -> None:
     x = torch.zeros((), dtype=torch.float64, requires_grad=True)
-    acc = Accumulator(weight_estimate=10.0)
+    acc = Accumulator(loss_reduction="mean", weight_estimate=10.0)
     grads = []
     for counts in ([3, 1], [2, 2, 4]):
-        acc.begin()
-        provisional = [acc.backward_scale(num_tokens=count).item() for count in counts]
-        acc.end([x])
+        x.grad = None
+        acc.begin(parameters=[x])
+        provisional = []
+        for count in counts:
+            scaled = acc.scale_loss(x * 0.0 + 1.0, num_tokens=count)  # a loss of 1: its factor
+            provisional.append(scaled.item())
+            scaled.backward()
+        acc.end()
         grads.append(provisional)
     # Step 1 assumes W = 10 (weight_estimate); step 2 assumes step 1's W = 4.
     assert grads == [[0.3, 0.1], [0.5, 0.5, 1.0]]
@@ -32,11 +36,11 @@ def test_gradients_are_rescaled_to_the_global_mean(loss_reduction: str) -> None:
     acc = Accumulator(loss_reduction=loss_reduction, weight_estimate=3.0)  # type: ignore[arg-type]
     for counts in ([5, 0, 2], [1], [0, 0]):
         x.grad = None
-        acc.begin()
+        acc.begin(parameters=[x])
         for count in counts:
             loss = x * count if loss_reduction == "sum" else x * 1.0
             acc.scale_loss(loss, num_tokens=count).backward()
-        result = acc.end([x])
+        result = acc.end()
         empty = sum(counts) == 0
         assert x.grad.item() == pytest.approx(0.0 if empty else 1.0, rel=1e-15)
         assert result.loss.item() == (0.0 if empty else 1.0)
@@ -44,21 +48,22 @@ def test_gradients_are_rescaled_to_the_global_mean(loss_reduction: str) -> None:
 
 
 def test_one_collective_per_step_with_the_loss_included() -> None:
-    def rank_steps(rank: int, collective: object) -> list[tuple[int, float, int]]:
-        acc = Accumulator(collective=collective)  # type: ignore[arg-type]
+    def rank_steps(rank: int, collective: InProcessCollective) -> list[tuple[int, float, int]]:
+        acc = Accumulator(loss_reduction="mean", collective=collective)  # type: ignore[arg-type]
         x = torch.ones((), requires_grad=True)
         seen = []
         for step in range(3):
-            before = collective._issued  # type: ignore[attr-defined]
-            acc.begin()
+            x.grad = None
+            before = collective.calls
+            acc.begin(parameters=[x])
             for count in range(rank + step):  # rank 0 has no microbatch in step 0
                 acc.scale_loss(x * float(count), num_tokens=count).backward()
-            result = acc.end([x])
+            result = acc.end()
             loss, tokens = result.loss.item(), int(result.num_tokens)
-            seen.append((collective._issued - before, loss, tokens))  # type: ignore[attr-defined]
+            seen.append((collective.calls - before, loss, tokens))
         return seen
 
-    results = run_ranks(2, rank_steps)
+    results = InProcessGroup(2).run(rank_steps)
     assert results[0] == results[1]
     assert [calls for calls, _, _ in results[0]] == [1, 1, 1]
     assert [tokens for _, _, tokens in results[0]] == [0, 1, 4]
@@ -68,19 +73,20 @@ def test_one_collective_per_step_with_the_loss_included() -> None:
 
 
 def test_a_previous_loss_travels_with_a_scale_after_reduction() -> None:
-    def rank_steps(rank: int, collective: object) -> tuple[float, int]:
-        acc = Accumulator(collective=collective, loss_logging="next_step")  # type: ignore[arg-type]
+    def rank_steps(rank: int, collective: InProcessCollective) -> tuple[float, int]:
+        acc = Accumulator(loss_reduction="mean", collective=collective, loss_logging="next_step")  # type: ignore[arg-type]
         acc.begin(num_tokens=[1])
         acc.scale_loss(torch.tensor(float(rank)))
         first = acc.end()
-        before = collective._issued  # type: ignore[attr-defined]
-        acc.begin()
-        acc.scale_loss(torch.tensor(1.0), num_tokens=1)
-        acc.end([])
+        before = collective.calls
+        x = torch.ones((), requires_grad=True)
+        acc.begin(parameters=[x])
+        acc.scale_loss(x * 1.0, num_tokens=1).backward()
+        acc.end()
         first_loss = first.loss.item()
-        return first_loss, collective._issued - before  # type: ignore[attr-defined]
+        return first_loss, collective.calls - before
 
-    assert run_ranks(2, rank_steps) == [(0.5, 1), (0.5, 1)]
+    assert InProcessGroup(2).run(rank_steps) == [(0.5, 1), (0.5, 1)]
 
 
 def test_every_gradient_is_rescaled_whatever_its_dtype_and_unused_ones_are_skipped() -> None:
@@ -106,9 +112,9 @@ def test_every_gradient_is_rescaled_whatever_its_dtype_and_unused_ones_are_skipp
     reference = [p.grad.double().clone() for p in layers.parameters()]
     layers.zero_grad(set_to_none=True)
 
-    acc.begin()
+    acc.begin(parameters=[*layers.parameters(), unused, elsewhere])
     loss_of(lambda loss: acc.scale_loss(loss, num_tokens=4))
-    acc.end([*layers.parameters(), unused, elsewhere])
+    acc.end()
     assert unused.grad is None
     assert elsewhere.grad.device.type == "meta"
     for p, expected in zip(layers.parameters(), reference, strict=True):
@@ -127,13 +133,13 @@ def large_step(dtype: torch.dtype, weight_estimate: float, scale_after: bool):
     labels = torch.zeros(2, 500_000, dtype=torch.int64)
     acc = Accumulator(loss_reduction="sum", weight_estimate=weight_estimate)
     if scale_after:
-        acc.begin()
+        acc.begin(parameters=model.parameters())
     else:
         acc.begin(num_tokens=[500_000, 500_000])
     for x, y in zip(features, labels, strict=True):
         loss_sum, count = token_cross_entropy(model(x.to(dtype)), y)
         acc.scale_loss(loss_sum, **({"num_tokens": count} if scale_after else {})).backward()
-    acc.end(model.parameters()) if scale_after else acc.end()
+    acc.end()
     F.cross_entropy(reference_model(features.flatten(0, 1)), labels.flatten()).backward()
     return [p.grad for p in model.parameters()], [p.grad for p in reference_model.parameters()]
 
@@ -157,6 +163,9 @@ def test_fp16_needs_the_estimate_of_the_first_step() -> None:
         torch.testing.assert_close(grad.double(), reference, rtol=0.01, atol=0.01 * 0.9)
 
 
+X = torch.nn.Parameter(torch.ones(()))
+
+
 @pytest.mark.parametrize(
     ("steps", "error", "message"),
     [
@@ -169,28 +178,34 @@ def test_fp16_needs_the_estimate_of_the_first_step() -> None:
             r"scale_loss\(\) got counts, but begin\(\) declared the counts of step 1 already; call scale_loss\(\) without them",
         ),
         (
-            lambda acc: (acc.begin(), acc.scale_loss(torch.tensor(1.0))),
+            lambda acc: (acc.begin(parameters=[X]), acc.scale_loss(torch.tensor(1.0))),
             ValueError,
             r"scale_loss\(\) got num_tokens=None in a scale-after step \(begin\(\) had no counts\); pass num_tokens=",
         ),
         (
-            lambda acc: (acc.begin(), acc.backward_scale(num_samples=2)),
-            ValueError,
-            r"backward_scale\(\) got num_tokens=None in a scale-after step",
+            lambda acc: (acc.begin(parameters=[X]), acc.backward_scale()),
+            RuntimeError,
+            r"backward_scale\(\) was called in step 1, which scales after: its factors are provisional",
         ),
         (
-            lambda acc: (acc.begin(), acc.scale_loss(torch.tensor(1.0), num_tokens=-1)),
+            lambda acc: (
+                acc.begin(parameters=[X]),
+                acc.scale_loss(torch.tensor(1.0), num_tokens=-1),
+            ),
             ValueError,
             r"num_tokens=-1 is negative",
         ),
         (
-            lambda acc: (acc.begin(), acc.scale_loss(torch.tensor(1.0), num_tokens=1.5)),
+            lambda acc: (
+                acc.begin(parameters=[X]),
+                acc.scale_loss(torch.tensor(1.0), num_tokens=1.5),
+            ),
             TypeError,
             r"num_tokens=1.5 is not an integer count",
         ),
         (
             lambda acc: (
-                acc.begin(),
+                acc.begin(parameters=[X]),
                 acc.scale_loss(torch.tensor(1.0), num_tokens=torch.tensor([1, 2])),
             ),
             ValueError,
@@ -198,7 +213,7 @@ def test_fp16_needs_the_estimate_of_the_first_step() -> None:
         ),
         (
             lambda acc: (
-                acc.begin(),
+                acc.begin(parameters=[X]),
                 acc.scale_loss(torch.tensor(1.0), num_tokens=1),
                 acc.scale_loss(torch.tensor(1.0), num_tokens=1, num_samples=1),
             ),
@@ -206,30 +221,90 @@ def test_fp16_needs_the_estimate_of_the_first_step() -> None:
             r"scale_loss\(\) got num_samples and num_tokens for microbatch 2 but num_tokens for the ones before; give the same counts",
         ),
         (
-            lambda acc: (acc.begin(), acc.end()),
+            lambda acc: acc.begin(),
             ValueError,
-            r"end\(\) needs parameters in a scale-after step .* call end\(model.parameters\(\)\)",
+            r"begin\(\) got neither counts nor parameters; pass this rank's counts to count first \(begin\(num_tokens=\[one count per microbatch\]\)\), or the parameters",
         ),
         (
-            lambda acc: (acc.begin(num_tokens=[]), acc.end([])),
+            lambda acc: acc.begin(num_tokens=[1], parameters=[X]),
             ValueError,
-            r"end\(\) got parameters, but this step declared its counts in begin\(\), so its gradients are final already",
+            r"begin\(\) got counts and parameters; pass counts to count first",
         ),
         (
-            lambda acc: (acc.begin(), acc.end([]), acc.end([])),
-            RuntimeError,
-            r"end\(\) was called after end\(\) closed step 1",
+            lambda acc: acc.begin(parameters=[]),
+            ValueError,
+            r"parameters holds no parameter \(an empty list, or an iterator such as model.parameters\(\) that was used up already\)",
         ),
         (
-            lambda acc: (acc.begin(), acc.end([]), acc.scale_loss(torch.tensor(1.0), num_tokens=1)),
+            lambda acc: acc.begin(parameters=iter([])),
+            ValueError,
+            r"parameters holds no parameter",
+        ),
+        (
+            lambda acc: acc.begin(parameters=X),
+            TypeError,
+            r"parameters is a tensor of shape \(\), not an iterable of parameters; pass model.parameters\(\)",
+        ),
+        (
+            lambda acc: acc.begin(parameters=[X, 3]),
+            TypeError,
+            r"parameters\[1\] is 3, not a tensor",
+        ),
+        (
+            lambda acc: (
+                acc.begin(parameters=[torch.nn.Parameter(torch.ones(()))]),
+                acc.scale_loss(X * 1.0, num_tokens=1),
+                acc.end(),
+            ),
+            ValueError,
+            r"none of the 1 parameters given to begin\(\) has a gradient after 1 microbatches of step 1 went through scale_loss\(\); pass the parameters of the model those losses came from",
+        ),
+        (
+            lambda acc: (acc.begin(parameters=[X]), acc.end(), acc.end()),
             RuntimeError,
-            r"scale_loss\(\) was called after end\(\) closed step 1",
+            r"end\(\) was called after step 1 was closed",
+        ),
+        (
+            lambda acc: (
+                acc.begin(parameters=[X]),
+                acc.end(),
+                acc.scale_loss(torch.tensor(1.0), num_tokens=1),
+            ),
+            RuntimeError,
+            r"scale_loss\(\) was called after step 1 was closed",
         ),
     ],
 )
 def test_errors(steps, error: type, message: str) -> None:
+    X.grad = None
     with pytest.raises(error, match=message):
-        steps(Accumulator())
+        steps(Accumulator(loss_reduction="mean"))
+
+
+def test_named_parameters_are_accepted() -> None:
+    model = torch.nn.Linear(2, 1, bias=False).double()
+    acc = Accumulator(loss_reduction="sum")
+    acc.begin(parameters=model.named_parameters())
+    for rows in (1, 3):
+        loss = model(torch.ones(rows, 2, dtype=torch.float64)).sum()
+        acc.scale_loss(loss, num_tokens=rows).backward()
+    acc.end()
+    # The mean over 4 rows of x . w has gradient (1, 1).
+    assert model.weight.grad.tolist() == [[1.0, 1.0]]
+
+
+def test_gradients_left_from_before_the_step_are_refused() -> None:
+    model = torch.nn.Linear(2, 1).double()
+    model(torch.ones(1, 2, dtype=torch.float64)).sum().backward()  # an unscaled gradient
+    acc = Accumulator(loss_reduction="sum")
+    with pytest.raises(
+        RuntimeError, match=r"already hold nonzero gradients, which end\(\) would rescale"
+    ):
+        acc.begin(parameters=model.parameters())
+    assert not acc.step_open
+    model.zero_grad(set_to_none=False)  # zeros are fine
+    acc.begin(parameters=model.parameters())
+    assert acc.step_open
 
 
 @pytest.mark.parametrize("estimate", [0, -1.0, float("inf"), float("nan"), "big"])
@@ -237,4 +312,4 @@ def test_bad_weight_estimate(estimate: object) -> None:
     with pytest.raises(
         ValueError, match=rf"weight_estimate={estimate!r} is not supported; pass a positive number"
     ):
-        Accumulator(weight_estimate=estimate)  # type: ignore[arg-type]
+        Accumulator(loss_reduction="mean", weight_estimate=estimate)  # type: ignore[arg-type]

@@ -1,12 +1,12 @@
 """Properties of the pure weighting math, with data-parallel ranks simulated as lists.
 
-These tests use floats and the standard library only: the module under test must not need
-torch (one test checks that it does not even import it).
+These tests compute with floats and the standard library only (the splits come from
+lossweight.testing's strategies): the module under test must not need torch, and one test
+checks that it does not even import it.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import subprocess
 import sys
@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lossweight import weighting
+from lossweight.testing import strategies
 
 # An item is one sample or token: its loss, or None when it is padding (no loss, no count).
 items = st.lists(st.one_of(st.none(), st.floats(-50, 50, allow_nan=False)), min_size=0, max_size=40)
@@ -28,17 +29,8 @@ def split_steps(draw: st.DrawFn) -> tuple[list[float | None], list[list[list[flo
     Splits are uneven: ranks may hold no microbatch, microbatches may be empty or all padding.
     """
     step = draw(items)
-    world_size = draw(st.integers(1, 6))
-    cuts = sorted(draw(st.lists(st.integers(0, len(step)), min_size=0, max_size=12)))
-    bounds = [0, *cuts, len(step)]
-    microbatches = [step[a:b] for a, b in itertools.pairwise(bounds)]
-    owners = [draw(st.integers(0, world_size - 1)) for _ in microbatches]
-    ranks: list[list[list[float | None]]] = [[] for _ in range(world_size)]
-    for owner, microbatch in sorted(
-        zip(owners, microbatches, strict=True), key=lambda pair: pair[0]
-    ):
-        ranks[owner].append(microbatch)
-    return step, ranks
+    ranks = draw(strategies.splits(len(step), max_ranks=6, max_microbatches=4))
+    return step, [[[step[i] for i in microbatch] for microbatch in rank] for rank in ranks]
 
 
 def full_batch_mean(step: list[float | None]) -> float:

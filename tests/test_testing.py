@@ -1,0 +1,303 @@
+"""lossweight.testing: the in-process group, the split-invariance checker and the strategies.
+
+The checker must pass on correct loops (lossweight's two modes, a hand-written one) and fail,
+with a report that names the likely cause, on the bugs the field shipped.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lossweight import Accumulator, count_tokens, token_cross_entropy
+from lossweight.collectives import ProcessGroupCollective
+from lossweight.testing import InProcessGroup, Split, assert_split_invariant, default_splits
+from lossweight.testing import strategies as lst
+
+from . import gloo
+
+VOCABULARY, LENGTH, IGNORE = 11, 8, -100
+LENGTHS = [8, 2, 5, 0, 3, 7, 2, 6]  # real tokens per row; 0: a row that is all padding
+
+
+def examples(
+    lengths: list[int] = LENGTHS, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for real in lengths:
+        tokens = torch.randint(0, VOCABULARY, (LENGTH,), generator=generator)
+        rows.append((tokens, tokens.masked_fill(torch.arange(LENGTH) >= real, IGNORE)))
+    return rows
+
+
+def collate(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    if not rows:
+        empty = torch.zeros(0, LENGTH, dtype=torch.int64)
+        return empty, empty.clone()
+    return torch.stack([x for x, _ in rows]), torch.stack([y for _, y in rows])
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(VOCABULARY, 6), torch.nn.Tanh(), torch.nn.Linear(6, VOCABULARY)
+    ).double()
+
+
+def counts(lengths: list[int] = LENGTHS) -> list[int]:
+    return [max(real - 1, 0) for real in lengths]  # the shifted targets of each row
+
+
+# Correct loops.
+
+
+def count_first(model, microbatches, collective):
+    acc = Accumulator(loss_reduction="sum", collective=collective)
+    acc.begin(num_tokens=[count_tokens(y, shift=True) for _, y in microbatches])
+    for x, y in microbatches:
+        loss_sum, _ = token_cross_entropy(model(x), y, shift=True)
+        acc.scale_loss(loss_sum).backward()
+    return acc.end()
+
+
+def scale_after(model, microbatches, collective):
+    acc = Accumulator(loss_reduction="sum", collective=collective)
+    acc.begin(parameters=model.parameters())
+    for x, y in microbatches:
+        loss_sum, count = token_cross_entropy(model(x), y, shift=True)
+        acc.scale_loss(loss_sum, num_tokens=count).backward()
+    return acc.end()
+
+
+def hand_written(model, microbatches, collective):
+    """No Accumulator: the global count from the collective, the wrapper's average undone."""
+    total = torch.zeros(1, dtype=torch.float64)
+    for _, y in microbatches:
+        total += count_tokens(y, shift=True)
+    handle = collective.all_reduce_sum(total)
+    if handle is not None:
+        handle.wait()
+    for x, y in microbatches:
+        loss_sum, _ = token_cross_entropy(model(x), y, shift=True)
+        (loss_sum * collective.world_size / total.clamp(min=1)).sum().backward()
+    return None  # the gradient only
+
+
+# The bugs.
+
+
+def naive(model, microbatches, collective):
+    """loss / accumulation_steps, with the empty microbatch's NaN zeroed as some trainers do."""
+    logged = 0.0
+    for x, y in microbatches:
+        loss_sum, count = token_cross_entropy(model(x), y, shift=True)
+        loss = torch.nan_to_num(loss_sum / count) / len(microbatches)
+        loss.backward()
+        logged += loss.item()
+    return logged
+
+
+def counts_padding(model, microbatches, collective):
+    """Counts every non-padding token, while the mean loss covers the shifted targets only."""
+    acc = Accumulator(loss_reduction="mean", collective=collective)
+    acc.begin(num_tokens=[(y != IGNORE).sum() for _, y in microbatches])
+    for x, y in microbatches:
+        logits = model(x)
+        loss = F.cross_entropy(
+            logits[:, :-1].flatten(0, 1), y[:, 1:].flatten(), ignore_index=IGNORE
+        )
+        acc.scale_loss(loss).backward()
+    return acc.end()
+
+
+def forgets_the_average(model, microbatches, collective):
+    """Tells lossweight the wrapper sums the ranks' gradients, where it averages them."""
+    acc = Accumulator(loss_reduction="sum", grad_reduction="sum", collective=collective)
+    acc.begin(num_tokens=[count_tokens(y, shift=True) for _, y in microbatches])
+    for x, y in microbatches:
+        acc.scale_loss(token_cross_entropy(model(x), y, shift=True)[0]).backward()
+    return acc.end()
+
+
+def rank_local_count(model, microbatches, collective):
+    """Divides by this rank's count only, as if it held the whole step."""
+    total = sum(count_tokens(y, shift=True) for _, y in microbatches)
+    for x, y in microbatches:
+        loss_sum, _ = token_cross_entropy(model(x), y, shift=True)
+        (loss_sum / max(int(total), 1)).backward()
+
+
+@pytest.mark.parametrize("step", [count_first, scale_after, hand_written])
+def test_correct_loops_pass(step) -> None:
+    assert_split_invariant(step, model(), examples(), collate, counts=counts(), rtol=1e-10)
+
+
+BUGS = {
+    "naive": (naive, "uneven microbatches", "this is what loss / accumulation_steps gives"),
+    "counts_padding": (
+        counts_padding,
+        "uneven microbatches",
+        "weighted by counts other than those of the items their losses cover",
+    ),
+    "forgets_the_average": (
+        forgets_the_average,
+        "2 ranks, sorted by count",
+        "the gradient is 1/2 of the reference: the data-parallel average over the ranks is "
+        "not undone",
+    ),
+    "rank_local_count": (
+        rank_local_count,
+        "2 ranks, sorted by count",
+        "each rank weights its microbatches against its own total: the count is not reduced",
+    ),
+}
+
+
+@pytest.mark.parametrize("bug", BUGS)
+def test_each_bug_fails_with_a_report_of_its_cause(bug: str) -> None:
+    step, split_name, cause = BUGS[bug]
+    rows = examples([8, 2, 5, 3, 7, 2, 6, 4])  # no row of one token: a mean over none is NaN
+    with pytest.raises(AssertionError) as failure:
+        assert_split_invariant(
+            step, model(), rows, collate, counts=counts([8, 2, 5, 3, 7, 2, 6, 4])
+        )
+    report = str(failure.value)
+    assert report.startswith("the step depends on how its 8 examples are split"), report
+    entry = re.search(rf"- '{re.escape(split_name)}'.*?likely cause: ([^\n]+)", report, re.S)
+    assert entry is not None, report
+    assert cause in entry.group(1), report
+    assert "the gradient is off by" in report or "the gradient is" in report
+
+
+def test_an_empty_microbatch_nan_is_reported() -> None:
+    def unguarded(model, microbatches, collective):
+        for x, y in microbatches:
+            targets = y[:, 1:] != IGNORE
+            log_probabilities = model(x)[:, :-1].log_softmax(-1)
+            picked = log_probabilities.gather(-1, y[:, 1:].clamp(min=0).unsqueeze(-1))
+            # A hand-written mean: 0 / 0, with a NaN backward, for a microbatch with no target.
+            loss = -(picked.squeeze(-1) * targets).sum() / targets.sum()
+            (loss / len(microbatches)).backward()
+
+    with pytest.raises(AssertionError) as failure:
+        assert_split_invariant(unguarded, model(), examples(), collate, counts=counts())
+    report = str(failure.value)
+    entry = re.search(
+        r"- 'a rank with no items'.*?\n(.*?)\n.*?likely cause: ([^\n]+)", report, re.S
+    )
+    assert entry is not None, report
+    assert entry.group(1).strip() == "the gradient holds NaN or inf", report
+    assert entry.group(2).startswith("an empty microbatch's mean over zero items"), report
+
+
+def test_default_splits_are_partitions_with_the_hard_cases() -> None:
+    splits = default_splits(counts())
+    names = {split.name for split in splits}
+    assert {"an empty microbatch", "a rank with no items", "a rank with no microbatch"} <= names
+    for split in splits:
+        items = sorted(i for rank in split.ranks for mb in rank for i in mb)
+        assert items == list(range(len(LENGTHS))), split
+    no_items = next(split for split in splits if split.name == "a rank with no items")
+    assert [counts()[i] for mb in no_items.ranks[1] for i in mb] == [0]  # the all-padding row
+    assert all(
+        not any(len(mb) == 0 for rank in split.ranks for mb in rank) and all(split.ranks)
+        for split in default_splits(counts(), empty_microbatches=False)
+    )
+
+
+def test_the_group_reports_ranks_that_never_reduce() -> None:
+    group = InProcessGroup(2, timeout=0.5)
+
+    def work(rank: int, collective) -> None:
+        if rank == 0:
+            handle = collective.all_reduce_sum(torch.ones(3, dtype=torch.float64))
+            handle.wait()
+
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not start it within 0.5 s"):
+        group.run(work)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_the_strategies_draw_valid_splits_and_labels(data: st.DataObject) -> None:
+    n = data.draw(st.integers(0, 12))
+    ranks = data.draw(lst.splits(n))
+    assert sorted(i for rank in ranks for mb in rank for i in mb) == list(range(n))
+    assert 1 <= len(ranks) <= 4 and len(ranks[0]) >= 1
+    labels = data.draw(lst.padded_labels(length=6))
+    real = labels != IGNORE
+    assert labels.shape[1] == 6 and labels.dtype == torch.int64
+    # Padding is on one side: the real tokens of each row are consecutive from an end.
+    for row in real:
+        positions = row.nonzero().flatten().tolist()
+        assert (
+            positions == list(range(positions[0], positions[0] + len(positions)))
+            if positions
+            else True
+        )
+        assert not positions or positions[0] == 0 or positions[-1] == 5
+    assert all(count >= 0 for count in data.draw(lst.counts()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(lst.splits(8, max_ranks=3, max_microbatches=3), st.sampled_from([count_first, scale_after]))
+def test_lossweight_is_split_invariant_on_drawn_splits(ranks, step) -> None:
+    assert_split_invariant(
+        step, model(), examples(), collate, splits=[Split.of("drawn", ranks)], rtol=1e-10
+    )
+
+
+def _under_gloo(rank: int, world_size: int) -> dict:
+    outcome = {}
+    splits = [s for s in default_splits(counts()) if len(s.ranks) == world_size]
+    for name, step in (("count_first", count_first), ("naive", naive)):
+        try:
+            assert_split_invariant(step, model(), examples(), collate, counts=counts(), rtol=1e-10)
+            outcome[name] = "passed"
+        except AssertionError as failure:
+            outcome[name] = str(failure)
+    shards = [[collate(examples()[:3]), collate([])], [collate(examples()[3:])]]
+    outcome["loss"] = count_first(model(), shards[rank], ProcessGroupCollective()).loss.item()
+    outcome["splits"] = len(splits)
+    return outcome
+
+
+def test_the_simulated_group_agrees_with_real_gloo_ranks() -> None:
+    outcomes = gloo.values(gloo.run_ranks(2, _under_gloo, deadline=60))
+    assert outcomes[0] == outcomes[1]
+    real = outcomes[0]
+    assert real["count_first"] == "passed"
+    # The same 2-rank splits in this process give the same report, to the printed digits.
+    two_ranks = [s for s in default_splits(counts()) if len(s.ranks) == 2]
+    assert real["splits"] == len(two_ranks) >= 3
+    with pytest.raises(AssertionError) as failure:
+        assert_split_invariant(naive, model(), examples(), collate, splits=two_ranks, rtol=1e-10)
+    assert real["naive"] == str(failure.value)
+    group = InProcessGroup(2)
+    shards = [[collate(examples()[:3]), collate([])], [collate(examples()[3:])]]
+    replicas = [model(), model()]  # made here: seeding in the threads would race
+    simulated = group.run(
+        lambda rank, collective: count_first(replicas[rank], shards[rank], collective)
+    )
+    assert [r.loss.item() for r in simulated] == [real["loss"]] * 2
+
+
+def test_only_the_strategies_import_hypothesis() -> None:
+    code = (
+        "import sys\n"
+        "import lossweight\n"
+        "assert 'lossweight.testing' not in sys.modules and 'hypothesis' not in sys.modules\n"
+        "import lossweight.testing\n"
+        "assert 'hypothesis' not in sys.modules\n"
+        "import lossweight.testing.strategies\n"
+        "assert 'hypothesis' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
