@@ -1,9 +1,11 @@
-"""What loss weighting costs per optimizer step: lossweight beside a plain loop and other
-trainers' patterns, measured in one run with the variants interleaved.
+"""What loss weighting costs per optimizer step, measured in one run.
 
-    python benchmarks/step_cost.py                  # 1 and 2 ranks, CPU/gloo (CUDA/NCCL on a GPU)
-    python benchmarks/step_cost.py --steps 10       # a quick look
-    python benchmarks/step_cost.py --micro          # only the per-call overhead
+lossweight beside a plain loop and other trainers' patterns, with the variants interleaved:
+
+    .venv/bin/python benchmarks/step_cost.py              # 1 and 2 ranks (NCCL on a GPU)
+    .venv/bin/python benchmarks/step_cost.py --steps 10   # a quick look
+    .venv/bin/python benchmarks/step_cost.py --micro      # only the per-call overhead
+    .venv/bin/python benchmarks/step_cost.py --json benchmarks/results.json   # save the record
 
 Every variant trains its own copy of the same small GPT-style model on the same padded batches,
 under DDP, with the same optimizer. For each step index the variants run one after the other,
@@ -595,7 +597,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--micro", action="store_true", help="only the per-call overhead")
-    parser.add_argument("--json", type=Path, default=Path(__file__).with_name("results.json"))
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="also write the record as JSON to this path (benchmarks/results.json is the "
+        "committed one); by default nothing is written",
+    )
     args = parser.parse_args()
 
     overhead = call_overhead(args)
@@ -614,7 +622,7 @@ def main() -> None:
         "steps": results,
         "overhead": overhead,
     }
-    if not args.micro:
+    if args.json is not None:
         args.json.write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(f"{record['date']}, {record['machine']}, torch {record['torch']}\n")
     print(markdown(results, overhead))

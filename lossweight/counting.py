@@ -9,8 +9,8 @@ for both the count and the loss:
   (an attention or loss mask, 1 = keep), its mask is nonzero;
 - with ``shift=True`` (causal language models whose labels are the inputs themselves), the
   logits at position ``t`` predict the label at ``t + 1``: the labels and the mask are taken
-  from position 1 on, so the first position of a row is never a target, and the logits from
-  position 0 to the one before last.
+  from position 1 on, so the first position of a row is never a target (and a row of one
+  position has none), and the logits from position 0 to the one before last.
 
 Every function works on tensors of any leading shape (``(..., sequence)``), returns tensors on
 the labels' device, and reads nothing back to the host, so it runs inside
@@ -100,13 +100,7 @@ def _targets(
             "of the labels' shape (1 where a token counts, 0 where it does not)"
         )
     if shift:
-        if labels.shape[-1] < 2:
-            raise ValueError(
-                f"labels has rows of length {labels.shape[-1]}, too short to shift: a causal "
-                "language model needs 2 positions or more to have a target; drop such rows, "
-                "or pass shift=False if the labels are already shifted"
-            )
-        labels = labels[..., 1:]
+        labels = labels[..., 1:]  # a row of one position has no target, as in Hugging Face
         mask = None if mask is None else mask[..., 1:]
     targets = labels != ignore_index
     return targets if mask is None else targets & (mask != 0)

@@ -175,11 +175,6 @@ def test_helpers_compile_without_graph_breaks(shift: bool) -> None:
             r"labels is a 0-dim tensor; pass labels of shape \(..., sequence\)",
         ),
         (
-            lambda: count_tokens(torch.ones(2, 1).long(), shift=True),
-            ValueError,
-            r"labels has rows of length 1, too short to shift",
-        ),
-        (
             lambda: count_tokens(torch.ones(2, 3).long(), mask=torch.ones(2, 4)),
             ValueError,
             r"mask has shape \(2, 4\) but labels \(2, 3\); pass a mask of the labels' shape",
@@ -194,3 +189,16 @@ def test_helpers_compile_without_graph_breaks(shift: bool) -> None:
 def test_errors(call, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         call()
+
+
+def test_rows_of_one_position_have_no_target_when_shifted() -> None:
+    # With dynamic padding, a microbatch of one-token rows is an empty microbatch, as Hugging
+    # Face counts it.
+    labels = torch.tensor([[5], [-100]])
+    assert count_tokens(labels, shift=True).item() == 0
+    assert count_tokens_per_row(labels, shift=True).tolist() == [0, 0]
+    logits = torch.randn(2, 1, 7, requires_grad=True)
+    loss_sum, count = token_cross_entropy(logits, labels, shift=True)
+    loss_sum.backward()
+    assert loss_sum.item() == 0.0 and count.item() == 0
+    assert (logits.grad == 0).all()

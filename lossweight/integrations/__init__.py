@@ -1,0 +1,18 @@
+"""Drop-in integrations of the Accumulator with training frameworks.
+
+Each module imports its framework, and ``import lossweight`` imports none of them: import the
+one you use.
+
+- :mod:`lossweight.integrations.hf`: :class:`~lossweight.integrations.hf.LossweightTrainer`, a
+  Hugging Face ``transformers.Trainer`` that weights every microbatch by its tokens or samples
+  (``pip install "lossweight[hf]"``).
+- :mod:`lossweight.integrations.accelerate`:
+  :class:`~lossweight.integrations.accelerate.AcceleratorAccumulator`, an Accumulator bound to
+  an ``accelerate.Accelerator`` (``pip install "lossweight[accelerate]"``).
+- :mod:`lossweight.integrations.lightning`:
+  :class:`~lossweight.integrations.lightning.LossweightCallback`, a Lightning callback for
+  automatic optimization (with ``accumulate_grad_batches``) and manual optimization
+  (``pip install "lossweight[lightning]"``).
+
+docs/integrations.md has a complete example for each.
+"""

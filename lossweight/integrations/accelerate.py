@@ -1,0 +1,213 @@
+"""An Accumulator bound to an ``accelerate.Accelerator``.
+
+:class:`AcceleratorAccumulator` reads the gradient accumulation steps from the Accelerator and
+undoes the division by them that ``accelerator.backward()`` applies to every loss (through the
+Accumulator's ``framework_divides_loss_by``), checks that the process group it reduces over is
+the Accelerator's world, and ends each optimizer step when ``accelerator.sync_gradients`` is
+true. It runs either mode of the Accumulator.
+
+Scale after, for a streaming loop that sees one microbatch at a time: each ``scale_loss()``
+that finds no step open begins one, and ``accelerate``'s own ``accumulate()`` decides where the
+step ends (every ``gradient_accumulation_steps`` microbatches, and at the end of a prepared
+dataloader)::
+
+    lw = AcceleratorAccumulator(accelerator, model, loss_reduction="sum")
+    for batch in dataloader:
+        with lw.accumulate():
+            loss_sum, count = lossweight.token_cross_entropy(model(batch["x"]), batch["y"])
+            accelerator.backward(lw.scale_loss(loss_sum, num_tokens=count))
+            lw.end_if_sync()          # the StepResult at the step's last microbatch, else None
+            optimizer.step()          # accelerate steps only when sync_gradients is true
+            optimizer.zero_grad()
+
+Count first, when the counts of a step's microbatches are known before it runs (they come from
+the labels): give them to ``begin()``, whose one all-reduce overlaps the first forward. The step
+then ends at its last declared microbatch: ``accumulate()`` sets ``sync_gradients`` there, and
+skips the gradient synchronization before it, whatever accelerate's own counter says::
+
+    for window in lw.windows(dataloader):         # gradient_accumulation_steps batches each
+        lw.begin(num_tokens=[count(batch) for batch in window])
+        for batch in window:
+            with lw.accumulate():
+                accelerator.backward(lw.scale_loss(loss_of(batch)))
+                lw.end_if_sync()
+                optimizer.step()
+                optimizer.zero_grad()
+
+Relies on these ``Accelerator`` attributes: ``gradient_accumulation_steps`` (what ``backward``
+divides by, and what DeepSpeed's engine divides by), ``sync_gradients`` (read, and set in a
+count-first step), ``accumulate()``, ``no_sync()``, ``num_processes`` and
+``distributed_type``. Under DeepSpeed, ``accelerator.backward()`` steps the optimizer itself at
+the step's last microbatch, before ``end()``: count first there (scaling after is refused).
+DeepSpeed is not covered by the tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator  # type: ignore[import-untyped]  # ships no py.typed
+from accelerate.utils import DistributedType  # type: ignore[import-untyped]
+
+from .._checks import Count, Counts
+from ..accumulator import Accumulator, StepContext
+from ..result import StepResult
+from ..weighting import GradReduction, LossReduction
+
+__all__ = ["AcceleratorAccumulator"]
+
+T = TypeVar("T")
+
+
+class AcceleratorAccumulator:
+    """A :class:`lossweight.Accumulator` for a loop driven by ``accelerator``.
+
+    Args:
+        accelerator: the ``Accelerator``; its ``gradient_accumulation_steps`` is read now.
+        model: the model as ``accelerator.prepare()`` returned it: its parameters are rescaled
+            by a scale-after step, and its gradient synchronization is skipped before a
+            count-first step's last microbatch. Needed for both, unless passed to
+            :meth:`accumulate`.
+        loss_reduction, weight_by, grad_reduction, loss_logging, weight_estimate: as for
+            :class:`lossweight.Accumulator`.
+
+    Attributes:
+        accumulator: the :class:`lossweight.Accumulator`.
+        result: the :class:`lossweight.StepResult` of the last step that ended, or None.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        model: torch.nn.Module | None = None,
+        *,
+        loss_reduction: LossReduction,
+        weight_by: Literal["tokens", "samples"] = "tokens",
+        grad_reduction: GradReduction | float = "mean",
+        loss_logging: Literal["end", "next_step"] = "end",
+        weight_estimate: float = 1.0,
+    ) -> None:
+        self.accelerator = accelerator
+        self.model = model
+        self.gradient_accumulation_steps = int(accelerator.gradient_accumulation_steps)
+        self.accumulator = Accumulator(
+            loss_reduction=loss_reduction,
+            weight_by=weight_by,
+            grad_reduction=grad_reduction,
+            loss_logging=loss_logging,
+            weight_estimate=weight_estimate,
+            framework_divides_loss_by=self.gradient_accumulation_steps,
+        )
+        self.result: StepResult | None = None
+        self._declared: int | None = None  # microbatches of the open count-first step
+        self._scaled = 0
+
+    @property
+    def step_open(self) -> bool:
+        """Whether a step is open (begun, and not yet ended)."""
+        return self.accumulator.step_open
+
+    def begin(
+        self, *, num_samples: Counts | None = None, num_tokens: Counts | None = None
+    ) -> StepContext:
+        """Begin a count-first step: this rank's counts, one per microbatch it will run in it
+        (normally ``gradient_accumulation_steps`` of them, fewer at the end of the data)."""
+        self._check_world()
+        context = self.accumulator.begin(num_samples=num_samples, num_tokens=num_tokens)
+        counts = num_tokens if self.accumulator.weight_by == "tokens" else num_samples
+        self._declared, self._scaled = len(counts), 0  # type: ignore[arg-type]
+        return context
+
+    @contextlib.contextmanager
+    def accumulate(self, model: torch.nn.Module | None = None) -> Iterator[None]:
+        """Use in place of ``accelerator.accumulate(model)`` around each microbatch.
+
+        In a count-first step it sets ``accelerator.sync_gradients`` to whether this is the
+        step's last declared microbatch, and skips the gradient synchronization before it;
+        otherwise it is ``accelerator.accumulate(model)``.
+        """
+        model = self._model(model)
+        if self._declared is None:
+            with self.accelerator.accumulate(model):
+                yield
+            return
+        last = self._scaled == self._declared - 1
+        self.accelerator.sync_gradients = last
+        with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+            yield
+
+    def scale_loss(
+        self,
+        loss: torch.Tensor,
+        *,
+        num_samples: Count | None = None,
+        num_tokens: Count | None = None,
+    ) -> torch.Tensor:
+        """The loss to give ``accelerator.backward()``. With no step open, this begins a
+        scale-after step (so the counts are required here); see
+        :meth:`lossweight.Accumulator.scale_loss`."""
+        if not self.accumulator.step_open:
+            self._check_world()
+            if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+                raise RuntimeError(
+                    "under DeepSpeed, accelerator.backward() steps the optimizer at the step's "
+                    "last microbatch, before end() could rescale the gradients; count first: "
+                    "give the step's counts to begin() before its first microbatch"
+                )
+            self.accumulator.begin(parameters=self._model(None).parameters())
+        scaled = self.accumulator.scale_loss(loss, num_samples=num_samples, num_tokens=num_tokens)
+        self._scaled += 1
+        return scaled
+
+    def end_if_sync(self) -> StepResult | None:
+        """End the step if ``accelerator.sync_gradients`` is true (the step's last microbatch):
+        after its ``backward()``, before clipping and ``optimizer.step()``. Returns the
+        :class:`lossweight.StepResult`, also kept in :attr:`result`; None otherwise."""
+        if not self.accelerator.sync_gradients or not self.accumulator.step_open:
+            return None
+        self.result = self.accumulator.end()
+        self._declared = None
+        return self.result
+
+    def abandon(self) -> None:
+        """Drop the open step (on every rank), as :meth:`lossweight.Accumulator.abandon`."""
+        self.accumulator.abandon()
+        self._declared = None
+
+    def windows(self, batches: Iterable[T]) -> Iterator[list[T]]:
+        """``batches`` in lists of ``gradient_accumulation_steps`` (the last may be shorter):
+        the microbatches of each count-first step."""
+        iterator = iter(batches)
+        while window := list(itertools.islice(iterator, self.gradient_accumulation_steps)):
+            yield window
+
+    def _model(self, model: torch.nn.Module | None) -> Any:
+        model = model if model is not None else self.model
+        if model is None:
+            raise ValueError(
+                "AcceleratorAccumulator needs the prepared model, to skip its gradient "
+                "synchronization and to rescale its gradients: pass it to the constructor "
+                "(AcceleratorAccumulator(accelerator, model, ...)) or to accumulate(model)"
+            )
+        return model
+
+    def _check_world(self) -> None:
+        if self.accelerator.gradient_accumulation_steps != self.gradient_accumulation_steps:
+            raise RuntimeError(
+                f"accelerator.gradient_accumulation_steps changed from "
+                f"{self.gradient_accumulation_steps} to "
+                f"{self.accelerator.gradient_accumulation_steps}; build a new "
+                "AcceleratorAccumulator after changing it"
+            )
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world != self.accelerator.num_processes:
+            raise RuntimeError(
+                f"the default process group has {world} ranks but the Accelerator "
+                f"{self.accelerator.num_processes} processes; lossweight reduces over the "
+                "default group, which must be the Accelerator's data-parallel world"
+            )

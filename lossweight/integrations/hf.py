@@ -1,0 +1,296 @@
+"""A Hugging Face ``transformers.Trainer`` that weights each microbatch with lossweight.
+
+Use :class:`LossweightTrainer` where you use ``Trainer``, with ``weight_by="tokens"`` (the
+default: every target token of the optimizer step weighs the same, over every microbatch and
+rank) or ``weight_by="samples"`` (every sample weighs the same; for models whose loss is a mean
+over samples, such as sequence classifiers)::
+
+    trainer = LossweightTrainer(model=model, args=args, train_dataset=data, weight_by="tokens")
+    trainer.train()
+
+Put it first to combine it with another ``Trainer`` subclass:
+``class MyTrainer(LossweightTrainer, OtherTrainer)``.
+
+How it works. ``Trainer`` fetches the batches of each optimizer step up front; this subclass
+counts each microbatch's targets (or rows) there and opens a count-first lossweight step, whose
+one all-reduce overlaps the first forward. The model computes its own loss with no
+``num_items_in_batch``, that is the mean over the microbatch's targets, and the Accumulator
+scales it by ``w * D / W``. The result does not depend on ``average_tokens_across_devices``
+(ignored here), on whether the model's ``forward`` accepts loss kwargs, nor on how the rows
+fall into microbatches and ranks; microbatches without a target contribute exactly nothing.
+
+Tokens are counted as Hugging Face counts them for ``num_items_in_batch``: the non-``-100``
+labels, from position 1 on for models whose loss shifts the labels (a causal LM's
+``ForCausalLMLoss``, not an encoder-decoder), or the batch's ``shift_labels`` when the collator
+provides them. The model's loss must be the mean over exactly those targets, as Hugging Face's
+losses are. A ``compute_loss_func`` is called with ``num_items_in_batch=None`` and must return
+the microbatch's mean likewise.
+
+Logging: each ``"loss"`` that ``Trainer`` logs is replaced by the mean of the steps'
+:attr:`lossweight.StepResult.loss` since the last log (the same on every rank), and
+``"loss_tokens"`` / ``"loss_samples"`` give the global number of target tokens / samples of
+those steps. Evaluation and prediction are the ``Trainer``'s own, unchanged.
+
+Hooks relied on (transformers 5.x, checked with 5.24): the overridable methods
+``get_batch_samples`` (returns the step's batches and ``num_items_in_batch``; reimplemented
+here, returning ``None``), ``training_step``, ``compute_loss`` (called by ``training_step``
+with the model in training mode) and ``log``; the class attribute ``loss_is_scaled_for_ga``
+(``True`` here, so that ``training_step`` does not divide the loss by the accumulation steps);
+``accelerator.gradient_accumulation_steps`` (1 under ``Trainer``: what ``accelerator.backward``
+divides by); and, for the causal shift, the private ``_loss_shifts_labels`` when present,
+else the same rule recomputed from ``transformers.loss.loss_utils.LOSS_MAPPING``. Not
+supported: ``nn.DataParallel`` (``n_gpu > 1``; launch one process per device instead),
+SageMaker model parallelism, and tensor, context or sequence parallelism (whose data-parallel
+group is not the world).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
+
+import torch
+from transformers import Trainer
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+from transformers.utils.import_utils import is_sagemaker_mp_enabled
+
+from ..accumulator import Accumulator
+from ..counting import count_tokens
+from ..result import StepResult
+
+WeightBy = Literal["tokens", "samples"]
+IGNORE_INDEX = -100  # the label of a position without a target, in every Hugging Face loss
+
+__all__ = ["LossweightTrainer"]
+
+if "loss_is_scaled_for_ga" not in vars(Trainer):
+    # Without it, Trainer.training_step would divide the weighted loss by the accumulation
+    # steps again, and the gradients would come out silently wrong.
+    raise ImportError(
+        "lossweight.integrations.hf needs a transformers whose Trainer has the "
+        "loss_is_scaled_for_ga attribute (5.24 and later); upgrade transformers"
+    )
+
+
+class LossweightTrainer(Trainer):
+    """``transformers.Trainer`` whose optimizer steps are weighted by lossweight.
+
+    Args:
+        weight_by: ``"tokens"`` (each target token weighs the same) or ``"samples"`` (each
+            row of the batch does).
+        *args, **kwargs: those of ``Trainer``.
+
+    Attributes:
+        accumulator: the :class:`lossweight.Accumulator` (``loss_reduction="mean"``).
+        last_result: the :class:`lossweight.StepResult` of the last optimizer step, or None.
+    """
+
+    # training_step must back-propagate the loss as compute_loss returns it: the Accumulator's
+    # factor already weights it against the whole step.
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args: Any, weight_by: WeightBy = "tokens", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _check_supported(self)
+        # What accelerator.backward() divides each loss by (1 under Trainer, which accumulates
+        # itself; DeepSpeed's backward is told not to scale).
+        divides = 1 if _is_deepspeed(self) else int(self.accelerator.gradient_accumulation_steps)
+        self.accumulator = Accumulator(
+            loss_reduction="mean", weight_by=weight_by, framework_divides_loss_by=divides
+        )
+        self._divides = divides
+        self.last_result: StepResult | None = None
+        self._shifts_labels = _loss_shifts_labels(self)
+        self._microbatches_left = 0
+        self._in_training_step = False
+        self._tally = _Tally()
+
+    def get_batch_samples(
+        self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
+    ) -> tuple[list[Any], torch.Tensor | int | None]:
+        """Fetch the step's batches and begin its lossweight step with their counts.
+
+        Returns ``num_items_in_batch=None``: the model then returns each microbatch's mean.
+        """
+        batches = list(itertools.islice(epoch_iterator, num_batches))
+        if self.accumulator.step_open:  # a step that an exception or a stop left unfinished
+            self.accumulator.abandon()
+        if batches:  # every rank fetches as many batches as the others
+            self.accumulator.begin(**self._counts(batches))
+        self._microbatches_left = len(batches)
+        return batches, None
+
+    def training_step(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """``Trainer.training_step`` with the loss scaled; ends the step after its last
+        microbatch. Returns this microbatch's share of the step's loss on this rank, so that
+        ``Trainer``'s own running loss (``train_loss``) is the weighted mean too."""
+        if not self.accumulator.step_open:
+            raise RuntimeError(
+                "LossweightTrainer.training_step() was called outside a step: its steps begin "
+                "in get_batch_samples(), which Trainer.train() calls for each optimizer step"
+            )
+        self._in_training_step = True
+        try:
+            scaled = super().training_step(model, inputs, None)
+        finally:
+            self._in_training_step = False
+        self._microbatches_left -= 1
+        if self._microbatches_left == 0:
+            self.last_result = self.accumulator.end()
+            self._tally.add(self.last_result)
+        # The factor carries what accelerator.backward() divides by; the running loss must not.
+        return scaled / self._divides
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """In a training step, the microbatch's mean loss scaled by the Accumulator; elsewhere
+        (evaluation, prediction) ``Trainer.compute_loss`` unchanged."""
+        if not self._in_training_step:
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        output = super().compute_loss(model, inputs, return_outputs=return_outputs)
+        if isinstance(output, tuple):
+            loss, outputs = output
+            return self.accumulator.scale_loss(loss), outputs
+        return self.accumulator.scale_loss(output)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Replace the training ``"loss"`` by lossweight's, and add the global counts."""
+        if "loss" in logs:
+            logs.update(self._tally.take())
+        super().log(logs, start_time)
+
+    def _counts(self, batches: list[Any]) -> dict[str, list[int] | list[torch.Tensor]]:
+        samples: list[int] = []
+        tokens: list[torch.Tensor] = []
+        for batch in batches:
+            if not isinstance(batch, Mapping):
+                raise TypeError(
+                    f"LossweightTrainer counts the rows and labels of dict batches, but the "
+                    f"data collator returned a {type(batch).__name__}; return a dict with "
+                    "'labels' (and 'input_ids')"
+                )
+            labels = batch.get("labels")
+            rows = labels if isinstance(labels, torch.Tensor) else batch.get("input_ids")
+            if isinstance(rows, torch.Tensor):
+                samples.append(int(rows.shape[0]))
+            if isinstance(labels, torch.Tensor):
+                # Trainer's own rule for num_items_in_batch: the collator's shifted labels, or
+                # the labels from position 1 on when the model's loss shifts them.
+                shifted = batch.get("shift_labels")
+                tokens.append(
+                    count_tokens(shifted, ignore_index=IGNORE_INDEX)
+                    if isinstance(shifted, torch.Tensor)
+                    else count_tokens(labels, ignore_index=IGNORE_INDEX, shift=self._shifts_labels)
+                )
+        counts: dict[str, list[int] | list[torch.Tensor]] = {}
+        if len(samples) == len(batches):
+            counts["num_samples"] = samples
+        if len(tokens) == len(batches):
+            counts["num_tokens"] = tokens
+        weight_name = f"num_{self.accumulator.weight_by}"
+        if weight_name not in counts:
+            needed = (
+                "a 'labels' tensor" if weight_name == "num_tokens" else "'labels' or 'input_ids'"
+            )
+            raise ValueError(
+                f"LossweightTrainer(weight_by={self.accumulator.weight_by!r}) counts each batch "
+                f"from {needed}, and a batch of this step has none; let the data collator "
+                "return it"
+            )
+        return counts
+
+
+class _Tally:
+    """The steps' results since the last log, summed on their device. A result is added to the
+    sums when the next one arrives (its reduction has long finished by then) or at the log, so
+    holding them costs no wait, and reading them no host sync before the log's own."""
+
+    def __init__(self) -> None:
+        self._waiting: StepResult | None = None
+        self._steps = 0
+        self._sums: dict[str, torch.Tensor] = {}
+
+    def add(self, result: StepResult) -> None:
+        self._fold()
+        self._waiting = result
+
+    def take(self) -> dict[str, float]:
+        """The mean loss and the summed counts since the last call; {} if no step ended."""
+        self._fold()
+        if self._steps == 0:
+            return {}
+        sums = {name: total.item() for name, total in self._sums.items()}
+        logs = {"loss": sums["loss"] / self._steps}
+        for name in ("loss_tokens", "loss_samples"):
+            if sums[name] >= 0:  # -1 where a step did not know it
+                logs[name] = float(sums[name])
+        self._steps, self._sums = 0, {}
+        return logs
+
+    def _fold(self) -> None:
+        result, self._waiting = self._waiting, None
+        if result is None:
+            return
+        values = {
+            "loss": result.loss,
+            "loss_tokens": result.num_tokens,
+            "loss_samples": result.num_samples,
+        }
+        if self._steps == 0:
+            self._sums = {name: value.clone() for name, value in values.items()}
+        else:
+            self._sums["loss"] = self._sums["loss"] + values["loss"]
+            for name in ("loss_tokens", "loss_samples"):
+                total, count = self._sums[name], values[name]
+                unknown = (total < 0) | (count < 0)
+                self._sums[name] = torch.where(unknown, -1, total + count)
+        self._steps += 1
+
+
+def _is_deepspeed(trainer: Trainer) -> bool:
+    return bool(getattr(trainer, "is_deepspeed_enabled", False))
+
+
+def _loss_shifts_labels(trainer: Trainer) -> bool:
+    """Whether the model's loss shifts the labels, as Trainer decides it for its counts."""
+    shifts = getattr(trainer, "_loss_shifts_labels", None)
+    if isinstance(shifts, bool):
+        return shifts
+    model = trainer.model
+    config = getattr(model, "config", None)
+    loss_type = getattr(model, "loss_type", None)
+    causal = isinstance(loss_type, str) and LOSS_MAPPING.get(loss_type) is ForCausalLMLoss
+    return causal and not getattr(config, "is_encoder_decoder", False)
+
+
+def _check_supported(trainer: Trainer) -> None:
+    if trainer.args.n_gpu > 1:
+        raise ValueError(
+            f"LossweightTrainer does not support nn.DataParallel (n_gpu={trainer.args.n_gpu}): "
+            "launch one process per device (torchrun or accelerate launch) for "
+            "DistributedDataParallel"
+        )
+    if is_sagemaker_mp_enabled():
+        raise NotImplementedError("LossweightTrainer does not support SageMaker model parallel")
+    sizes = {
+        name: int(getattr(trainer, f"get_{name}_size", lambda: 1)()) for name in ("tp", "cp", "sp")
+    }
+    if any(size > 1 for size in sizes.values()):
+        raise NotImplementedError(
+            f"LossweightTrainer weights over the whole world, which is the data-parallel group "
+            f"only without tensor, context or sequence parallelism (here {sizes}); use "
+            "lossweight.Accumulator(group=<the data-parallel group>) in your own loop"
+        )

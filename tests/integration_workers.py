@@ -1,0 +1,615 @@
+"""What each process of tests/test_integrations.py runs: real frameworks on real gloo ranks.
+
+Each ``*_run(rank, world_size)`` function is started by tests/gloo.py on 2 processes joined in
+one gloo process group, runs every configuration of its framework on this rank's share of the
+data (uneven padding, a rank with few tokens, a microbatch without a target), compares the
+gradient just before each optimizer step with the single-process fp64 full-batch reference,
+and returns what it saw as JSON-able values: relative gradient errors, logged losses and
+counts, and the references they should equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .problem import (
+    IGNORE,
+    Batch,
+    make_batch,
+    make_model,
+    max_relative_error,
+    microbatch_loss,
+    split,
+)
+
+
+def distributed_environment(rank: int, world_size: int) -> None:
+    """The variables that frameworks read to find the process group tests/gloo.py started."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        NODE_RANK="0",
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",  # nothing listens there: a framework must use the existing group
+        OMP_NUM_THREADS="1",  # else accelerate sets the threads from the CPU count
+        TOKENIZERS_PARALLELISM="false",
+    )
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+
+
+def gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [
+        p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        for p in model.parameters()
+    ]
+
+
+def reference_gradients(model: torch.nn.Module, loss_of: Any) -> tuple[float, list[torch.Tensor]]:
+    """The full-batch loss and gradient of ``loss_of(copy of model)``, on a copy."""
+    model = copy.deepcopy(model)
+    loss = loss_of(model)
+    loss.backward()
+    return loss.item(), gradients(model)
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face transformers.Trainer
+# --------------------------------------------------------------------------------------------
+
+HF_STEPS = 2
+HF_MICROBATCHES = 2  # gradient_accumulation_steps
+HF_ROWS = 2  # per_device_train_batch_size
+# The real tokens of each row, by step, rank and microbatch. Rank 1 holds few tokens, and in
+# step 1 a microbatch of two one-token rows, which after the causal shift has no target at all
+# (unshifted, it would count 2).
+HF_LENGTHS = [
+    [[[7, 5], [6, 8]], [[3, 2], [1, 1]]],
+    [[[2, 8], [4, 4]], [[8, 3], [5, 2]]],
+]
+# Classifier rows that the collator drops (as a filter would): uneven microbatches of samples.
+HF_DROPPED = {(0, 1, 0, 1), (1, 0, 1, 0), (1, 1, 1, 1)}  # (step, rank, microbatch, row)
+
+
+def hf_rows(world_size: int) -> list[dict]:
+    """The training rows in the order that Trainer's sequential sampler, sharded by
+    accelerate (batch i goes to rank i % world_size), deals them out as HF_LENGTHS says."""
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for step in range(HF_STEPS):
+        for microbatch in range(HF_MICROBATCHES):
+            for rank in range(world_size):
+                for row, length in enumerate(HF_LENGTHS[step][rank][microbatch]):
+                    ids = torch.randint(1, 32, (length,), generator=generator)
+                    labels = ids.clone()
+                    if step == 1 and rank == 0 and row == 0:
+                        labels[:3] = IGNORE  # a prompt without targets
+                    rows.append(
+                        {
+                            "input_ids": ids,
+                            "labels": labels,
+                            "class": int(torch.randint(0, 3, (), generator=generator)),
+                            "keep": (step, rank, microbatch, row) not in HF_DROPPED,
+                            "where": (step, rank, microbatch),
+                        }
+                    )
+    return rows
+
+
+class HFCollator:
+    """Pads each microbatch to its own longest row; records what each rank got."""
+
+    def __init__(self, classify: bool) -> None:
+        self.classify = classify
+        self.seen: list[tuple[list[int], int]] = []
+
+    def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
+        if self.classify:
+            items = [item for item in items if item["keep"]]
+        length = max(len(item["input_ids"]) for item in items)
+        ids = torch.zeros(len(items), length, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        labels = torch.full_like(ids, IGNORE)
+        for i, item in enumerate(items):
+            n = len(item["input_ids"])
+            ids[i, :n], mask[i, :n], labels[i, :n] = item["input_ids"], 1, item["labels"]
+        self.seen.append((list(items[0]["where"]), len(items)))
+        if self.classify:
+            classes = torch.tensor([item["class"] for item in items])
+            return {"input_ids": ids, "attention_mask": mask, "labels": classes}
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def fp64_causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' ForCausalLMLoss without its upcast to float32, which would make an fp64
+    model's loss fp32 (the genuine one is tested too, at fp32's tolerance)."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = F.cross_entropy(
+        logits.reshape(-1, vocab_size),
+        shift_labels.reshape(-1).to(logits.device),
+        ignore_index=ignore_index,
+        reduction=reduction,
+    )
+    return loss / num_items_in_batch if num_items_in_batch is not None else loss
+
+
+def hf_models() -> dict[str, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    class NoLossKwargsLlamaForCausalLM(LlamaForCausalLM):
+        """A causal LM whose forward takes no loss kwargs: Trainer passes it no
+        num_items_in_batch and falls back to the mean divided by the accumulation steps."""
+
+        def forward(self, input_ids, attention_mask=None, labels=None):  # type: ignore[override]
+            return super().forward(
+                input_ids=input_ids, attention_mask=attention_mask, labels=labels
+            )
+
+    class NoLossKwargsLlamaForSequenceClassification(LlamaForSequenceClassification):
+        def forward(self, input_ids, attention_mask=None, labels=None):  # type: ignore[override]
+            return super().forward(
+                input_ids=input_ids, attention_mask=attention_mask, labels=labels
+            )
+
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        pad_token_id=0,
+        num_labels=3,
+        attn_implementation="eager",
+    )
+
+    def build(cls: type, fp64_loss: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = cls(config).double()
+        if fp64_loss:
+            model.loss_function = fp64_causal_lm_loss
+        return model
+
+    return {
+        "llama": build(LlamaForCausalLM, True),
+        "llama-fp32-loss": build(LlamaForCausalLM, False),
+        "no-loss-kwargs": build(NoLossKwargsLlamaForCausalLM, True),
+        "classifier": build(NoLossKwargsLlamaForSequenceClassification, False),
+    }
+
+
+# (model, trainer, weight_by, average_tokens_across_devices)
+HF_CONFIGS = {
+    "llama/plain": ("llama", "plain", "tokens", True),
+    "llama/plain-no-average": ("llama", "plain", "tokens", False),
+    "llama/lossweight": ("llama", "lossweight", "tokens", True),
+    "llama/lossweight-no-average": ("llama", "lossweight", "tokens", False),
+    "no-loss-kwargs/plain": ("no-loss-kwargs", "plain", "tokens", True),
+    "no-loss-kwargs/lossweight": ("no-loss-kwargs", "lossweight", "tokens", True),
+    "classifier/plain": ("classifier", "plain", "samples", True),
+    "classifier/lossweight": ("classifier", "lossweight", "samples", True),
+    "llama-fp32-loss/lossweight": ("llama-fp32-loss", "lossweight", "tokens", True),
+}
+
+
+def hf_reference(model: torch.nn.Module, rows: list[dict], classify: bool) -> list[dict]:
+    """Per step: the full-batch loss, gradient and counts over every rank's rows."""
+    per_step = len(rows) // HF_STEPS
+    references = []
+    for step in range(HF_STEPS):
+        batch = HFCollator(classify)(rows[step * per_step : (step + 1) * per_step])
+        loss, grads = reference_gradients(model, lambda m, b=batch: m(**b).loss)
+        targets = batch["labels"] if classify else batch["labels"][:, 1:]
+        references.append(
+            {
+                "loss": loss,
+                "grads": grads,
+                "tokens": int((targets != IGNORE).sum()),
+                "samples": int(batch["input_ids"].shape[0]),
+            }
+        )
+    return references
+
+
+def hf_run(rank: int, world_size: int, tmp: str) -> dict:
+    distributed_environment(rank, world_size)
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from lossweight.integrations.hf import LossweightTrainer
+
+    rows = hf_rows(world_size)
+    models = hf_models()
+
+    class Dataset(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(rows)
+
+        def __getitem__(self, index: int) -> dict:
+            return rows[index]
+
+    class Gradients(TrainerCallback):
+        """The gradient just before each optimizer step (clipping is off)."""
+
+        def __init__(self) -> None:
+            self.steps: list[list[torch.Tensor]] = []
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.steps.append(gradients(model))
+
+    outcome: dict[str, Any] = {}
+    evaluations = {}
+    for name, (model_name, kind, weight_by, average) in HF_CONFIGS.items():
+        classify = model_name == "classifier"
+        base = models[model_name]
+        references = hf_reference(base, rows, classify)
+        args = TrainingArguments(
+            output_dir=f"{tmp}/hf-{rank}",
+            per_device_train_batch_size=HF_ROWS,
+            per_device_eval_batch_size=HF_ROWS,
+            gradient_accumulation_steps=HF_MICROBATCHES,
+            max_steps=HF_STEPS,
+            learning_rate=0.0,  # the same parameters in every step: one reference each
+            max_grad_norm=0.0,  # no clipping: the gradient as the step made it
+            average_tokens_across_devices=average,
+            train_sampling_strategy="sequential",
+            remove_unused_columns=False,  # the collator reads the rows' bookkeeping
+            use_cpu=True,
+            ddp_find_unused_parameters=False,
+            report_to=[],
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+        )
+        collator, grab = HFCollator(classify), Gradients()
+        options = {"weight_by": weight_by} if kind == "lossweight" else {}
+        cls = LossweightTrainer if kind == "lossweight" else Trainer
+        trainer = cls(
+            model=copy.deepcopy(base),
+            args=args,
+            train_dataset=Dataset(),
+            eval_dataset=Dataset() if model_name == "llama" else None,
+            data_collator=collator,
+            callbacks=[grab],
+            **options,
+        )
+        with contextlib.redirect_stdout(io.StringIO()):  # Trainer prints its logs
+            trainer.train()
+            dealt = list(collator.seen)
+            if model_name == "llama" and average:
+                evaluations[kind] = trainer.evaluate()["eval_loss"]
+        logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+        outcome[name] = {
+            "relative_errors": [
+                max_relative_error(seen, reference["grads"])
+                for seen, reference in zip(grab.steps, references, strict=True)
+            ],
+            "logged_losses": [entry["loss"] for entry in logs],
+            "logged_tokens": [entry.get("loss_tokens") for entry in logs],
+            "logged_samples": [entry.get("loss_samples") for entry in logs],
+            "train_loss": next(
+                e["train_loss"] for e in trainer.state.log_history if "train_loss" in e
+            ),
+            "expected_losses": [reference["loss"] for reference in references],
+            "expected_tokens": [reference["tokens"] for reference in references],
+            "expected_samples": [reference["samples"] for reference in references],
+            "microbatches": dealt,
+        }
+    outcome["eval_losses"] = evaluations
+    return outcome
+
+
+# --------------------------------------------------------------------------------------------
+# A hand-written data layout for accelerate and Lightning (tests/problem.py's fp64 model)
+# --------------------------------------------------------------------------------------------
+
+LOOP_MICROBATCHES = 4  # gradient_accumulation_steps / accumulate_grad_batches
+# Microbatches per rank in each step: the last step is short, as at the end of an epoch whose
+# length the accumulation steps do not divide (the frameworks still divide its losses by 4).
+LOOP_WINDOWS = [4, 4, 2]
+LOOP_STEPS = len(LOOP_WINDOWS)
+# Rows per microbatch of each rank. Rank 1's rows hold one or two tokens, and its third
+# microbatch none at all (every label is padding).
+LOOP_SIZES = [[3, 1, 2, 2], [1, 2, 2, 1]]
+LOOP_EMPTY = (1, 2)  # (rank, microbatch)
+
+
+def loop_step(step: int, rank: int) -> tuple[Batch, list[Batch]]:
+    """The global batch of a step, and this rank's microbatches of it."""
+    layout = [sizes[: LOOP_WINDOWS[step]] for sizes in LOOP_SIZES]
+    generator = torch.Generator().manual_seed(100 + step)
+    lengths = [
+        int(torch.randint(1, 9, (), generator=generator)) if r == 0 else 1 + row % 2
+        for r, sizes in enumerate(layout)
+        for row in range(sum(sizes))
+    ]
+    batch = make_batch(lengths, max_length=8, seed=100 + step, left_padding=step % 2 == 1)
+    bounds = split(batch.num_samples, [sum(sizes) for sizes in layout])
+    empty_rank, empty_microbatch = LOOP_EMPTY
+    if empty_microbatch < LOOP_WINDOWS[step]:
+        start, stop = bounds[empty_rank]
+        empty = split(stop - start, layout[empty_rank])[empty_microbatch]
+        batch.labels[start + empty[0] : start + empty[1]] = IGNORE
+    start, stop = bounds[rank]
+    mine = batch.rows(start, stop)
+    return batch, [mine.rows(a, b) for a, b in split(stop - start, layout[rank])]
+
+
+class StepRecorder:
+    """Compares each step's gradient with the full-batch one at the same parameters."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.steps: list[dict] = []
+
+    def record(self, model: torch.nn.Module, result: Any = None, loss: float | None = None) -> None:
+        batch, _ = loop_step(len(self.steps), self.rank)
+        expected_loss, expected = reference_gradients(
+            model, lambda m: microbatch_loss(m, batch, "tokens", "mean")
+        )
+        seen = {
+            "relative_error": max_relative_error(gradients(model), expected),
+            "expected_loss": expected_loss,
+            "expected_tokens": int(batch.num_tokens),
+        }
+        if result is not None:
+            seen.update(loss=result.loss.item(), tokens=int(result.num_tokens))
+        if loss is not None:  # what a loop without lossweight logs
+            seen.update(loss=loss)
+        self.steps.append(seen)
+
+
+# --------------------------------------------------------------------------------------------
+# accelerate
+# --------------------------------------------------------------------------------------------
+
+
+def accelerate_run(rank: int, world_size: int) -> dict:
+    distributed_environment(rank, world_size)
+    from accelerate import Accelerator
+
+    from lossweight.integrations.accelerate import AcceleratorAccumulator
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=LOOP_MICROBATCHES)
+    outcome = {}
+    for mode in ("plain", "count_first", "scale_after"):
+        # Streaming, accelerate ends a short last step only at the end of a dataloader it
+        # prepared (which would shard the data its own way): those modes run the whole steps.
+        steps = LOOP_STEPS if mode == "count_first" else LOOP_WINDOWS.count(LOOP_MICROBATCHES)
+        stream = [mb for step in range(steps) for mb in loop_step(step, rank)[1]]
+        net = make_model(7)
+        model, optimizer = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5))
+        unwrapped = accelerator.unwrap_model(model)
+        recorder = StepRecorder(rank)
+        reduction = "sum" if mode == "scale_after" else "mean"
+        lw = AcceleratorAccumulator(accelerator, model, loss_reduction=reduction)
+        window_losses: list[torch.Tensor] = []
+        # Count first: one begin() per window of gradient_accumulation_steps microbatches.
+        windows = list(lw.windows(stream)) if mode == "count_first" else [stream]
+        for window in windows:
+            if mode == "count_first":
+                lw.begin(num_tokens=[mb.num_tokens for mb in window])
+            for mb in window:
+                with lw.accumulate() if mode != "plain" else accelerator.accumulate(model):
+                    loss = microbatch_loss(model, mb, "tokens", reduction)
+                    if mode == "plain":  # the mean loss as most loops give it to accelerate
+                        loss = torch.nan_to_num(loss)
+                        accelerator.backward(loss)
+                        window_losses.append(loss.detach())
+                        if accelerator.sync_gradients:  # logs the mean over ranks and steps
+                            logged = accelerator.reduce(torch.stack(window_losses).mean(), "mean")
+                            recorder.record(unwrapped, loss=logged.item())
+                            window_losses = []
+                    else:
+                        counts = {"num_tokens": mb.num_tokens} if mode == "scale_after" else {}
+                        accelerator.backward(lw.scale_loss(loss, **counts))
+                        result = lw.end_if_sync()
+                        if result is not None:
+                            recorder.record(unwrapped, result)
+                    optimizer.step()
+                    optimizer.zero_grad()
+        outcome[mode] = recorder.steps
+    return outcome
+
+
+# --------------------------------------------------------------------------------------------
+# Lightning
+# --------------------------------------------------------------------------------------------
+
+
+def lightning_run(rank: int, world_size: int, tmp: str) -> dict:
+    distributed_environment(rank, world_size)
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import Logger
+
+    from lossweight.integrations.lightning import LossweightCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self, automatic: bool, lw: LossweightCallback | None) -> None:
+            super().__init__()
+            self.net = make_model(7)
+            self.lw = lw
+            self.automatic_optimization = automatic
+
+        def configure_callbacks(self) -> list:
+            # The recorder reads the gradients in on_before_optimizer_step: after lossweight's
+            # callback, which ends the step there (configure_callbacks' come after the
+            # Trainer's own, in this order).
+            return [self.lw, self.recorder] if self.lw is not None else [self.recorder]
+
+        def training_step(self, batch: dict, batch_idx: int) -> Any:
+            mb = Batch(batch["features"], batch["labels"])
+            loss = microbatch_loss(self.net, mb, "tokens", "mean")
+            if self.lw is None:  # the mean loss as most modules return and log it
+                scaled = torch.nan_to_num(loss)
+                self.log("train_loss", scaled, on_step=True, sync_dist=True, batch_size=1)
+            else:
+                scaled = self.lw.scale_loss(loss, num_tokens=mb.num_tokens)
+            if self.automatic_optimization:
+                return scaled
+            optimizer = self.optimizers()
+            self.manual_backward(scaled if self.lw is not None else scaled / LOOP_MICROBATCHES)
+            if (batch_idx + 1) % LOOP_MICROBATCHES == 0 or self.trainer.is_last_batch:
+                optimizer.step()
+                optimizer.zero_grad()
+            return None
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    class Recorder(pl.Callback):
+        def __init__(self) -> None:
+            self.recorder = StepRecorder(rank)
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            lw = pl_module.lw
+            self.recorder.record(pl_module.net, lw.result if lw is not None else None)
+
+    class Captured(Logger):
+        """Every rank's logged metrics (Lightning calls a logger on every rank)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.metrics: dict[int | None, dict] = {}
+
+        name = "captured"
+        version = "0"
+
+        def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+            # Keyed by Lightning's step: the optimizer step in automatic optimization, the
+            # batch in manual optimization (which logs after every batch).
+            self.metrics.setdefault(step, {}).update(metrics)
+
+        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    microbatches = [mb for step in range(LOOP_STEPS) for mb in loop_step(step, rank)[1]]
+    data = [{"features": mb.features, "labels": mb.labels} for mb in microbatches]
+    outcome = {}
+    for name, automatic, weighted in [
+        ("automatic/plain", True, False),
+        ("automatic/lossweight", True, True),
+        ("manual/plain", False, False),
+        ("manual/lossweight", False, True),
+    ]:
+        lw = LossweightCallback(loss_reduction="mean") if weighted else None
+        module, logger = Module(automatic, lw), Captured()
+        module.recorder = recorder = Recorder()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy="ddp",
+            max_steps=LOOP_STEPS,
+            accumulate_grad_batches=LOOP_MICROBATCHES if automatic else 1,
+            logger=logger,
+            log_every_n_steps=1,
+            use_distributed_sampler=False,  # each rank iterates its own microbatches
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            default_root_dir=f"{tmp}/lightning-{rank}",
+        )
+        loader = torch.utils.data.DataLoader(data, batch_size=None)
+        trainer.fit(module, loader)
+        # Lightning's logger step is the optimizer step in automatic optimization and the
+        # batch in manual optimization, where the step's last batch logs its values.
+        last_batches = [sum(LOOP_WINDOWS[: step + 1]) - 1 for step in range(LOOP_STEPS)]
+        at = list(range(LOOP_STEPS)) if automatic else last_batches
+        outcome[name] = {
+            "steps": recorder.recorder.steps,
+            "logged_at_steps": [logger.metrics.get(step, {}) for step in at],
+            "every_logged_loss": [
+                m["train_loss"] for m in logger.metrics.values() if "train_loss" in m
+            ],
+        }
+    return outcome
+
+
+def lightning_scheduled_run() -> list[tuple[int, int, float]]:
+    """One process, no process group: Lightning's GradientAccumulationScheduler changes what
+    it divides the loss by from one epoch to the next (4, then 2). Returns, per step, the
+    epoch, the microbatches and the relative gradient error against their full batch."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    from lossweight.integrations.lightning import LossweightCallback
+
+    generator = torch.Generator().manual_seed(5)
+    microbatches = []
+    for seed, rows in enumerate([3, 1, 2, 2, 1, 3]):
+        lengths = torch.randint(1, 9, (rows,), generator=generator).tolist()
+        microbatches.append(make_batch(lengths, max_length=8, seed=seed, left_padding=False))
+    microbatches[4].labels[:] = IGNORE  # a microbatch without any target
+    steps: list[tuple[int, int, float]] = []
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_model(3)
+            self.lw = LossweightCallback(loss_reduction="mean")
+            self.window: list[Batch] = []
+
+        def configure_callbacks(self) -> list:
+            return [self.lw, Check()]
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            mb = Batch(batch["features"], batch["labels"])
+            self.window.append(mb)
+            loss = microbatch_loss(self.net, mb, "tokens", "mean")
+            return self.lw.scale_loss(loss, num_tokens=mb.num_tokens)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    class Check(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            window, pl_module.window = pl_module.window, []
+            full = Batch(
+                torch.cat([mb.features for mb in window]), torch.cat([mb.labels for mb in window])
+            )
+            _, expected = reference_gradients(
+                pl_module.net, lambda m: microbatch_loss(m, full, "tokens", "mean")
+            )
+            error = max_relative_error(gradients(pl_module.net), expected)
+            steps.append((trainer.current_epoch, len(window), error))
+
+    loader = torch.utils.data.DataLoader(
+        [{"features": mb.features, "labels": mb.labels} for mb in microbatches], batch_size=None
+    )
+    trainer = pl.Trainer(
+        max_epochs=2,
+        callbacks=[GradientAccumulationScheduler({0: 4, 1: 2})],
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Module(), loader)
+    return steps

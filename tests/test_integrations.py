@@ -1,0 +1,213 @@
+"""The framework integrations on real gloo ranks: Hugging Face Trainer, accelerate, Lightning.
+
+Each framework runs once on 2 processes (tests/gloo.py), every configuration of it in the same
+launch (tests/integration_workers.py): rank 1 holds few tokens and a microbatch without any
+target, and the padding is uneven. The gradient just before each optimizer step must equal the
+single-process fp64 full-batch gradient, and the logged loss the full-batch loss, on every
+rank; the framework's own weighting on the same data is checked to be visibly off, so that the
+data do tell right from wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from . import integration_workers as workers
+from .gloo import run_ranks, values
+
+WORLD_SIZE = 2
+EXACT = 1e-10  # fp64 end to end
+# transformers' ForCausalLMLoss upcasts the logits to float32 (`logits.float()`), which turns an
+# fp64 model's loss fp32: its gradient is then only as exact as float32 (about 1e-7).
+FP32 = 1e-6
+VISIBLY_OFF = 0.05
+
+
+def relative(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.fixture(scope="module")
+def hf() -> list[dict]:
+    # About 8 s on 2 cores (9 Trainer runs per rank); the deadline only stops a hang.
+    with tempfile.TemporaryDirectory() as tmp:
+        return values(run_ranks(WORLD_SIZE, workers.hf_run, tmp, deadline=150))
+
+
+@pytest.fixture(scope="module")
+def accelerate() -> list[dict]:
+    return values(run_ranks(WORLD_SIZE, workers.accelerate_run, deadline=90))
+
+
+@pytest.fixture(scope="module")
+def lightning() -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        return values(run_ranks(WORLD_SIZE, workers.lightning_run, tmp, deadline=150))
+
+
+# ------------------------------------------------------------------------------------------
+# Hugging Face Trainer
+# ------------------------------------------------------------------------------------------
+
+HF_EXACT = [
+    "llama/lossweight",
+    "llama/lossweight-no-average",  # average_tokens_across_devices=False: HF alone is off
+    "no-loss-kwargs/lossweight",  # forward takes no loss kwargs: HF alone is off
+    "classifier/lossweight",  # weight_by="samples", uneven rows per microbatch
+]
+HF_ALONE_OFF = ["llama/plain-no-average", "no-loss-kwargs/plain", "classifier/plain"]
+
+
+def test_hf_data_are_dealt_as_designed(hf: list[dict]) -> None:
+    # Trainer's sequential sampler, sharded by accelerate, gives each rank the rows laid out
+    # for it, so the conditions below hold on the ranks that ran.
+    for rank, outcome in enumerate(hf):
+        for name in workers.HF_CONFIGS:
+            assert [where[1] for where, _ in outcome[name]["microbatches"]] == [rank] * 4
+    shifted = [
+        [[sum(max(n - 1, 0) for n in mb) for mb in rank] for rank in step]
+        for step in workers.HF_LENGTHS
+    ]
+    assert shifted[0][1][1] == 0  # a microbatch without any target (2 tokens unshifted)
+    assert sum(shifted[0][1]) * 5 < sum(shifted[0][0])  # a rank with few tokens
+    # Uneven microbatches of samples: rows dropped by the collator.
+    for rank, outcome in enumerate(hf):
+        rows = [n for _, n in outcome["classifier/plain"]["microbatches"]]
+        dropped = [
+            sum((step, rank, mb, row) in workers.HF_DROPPED for row in range(workers.HF_ROWS))
+            for step in range(workers.HF_STEPS)
+            for mb in range(workers.HF_MICROBATCHES)
+        ]
+        assert rows == [workers.HF_ROWS - n for n in dropped] and 1 in rows
+
+
+@pytest.mark.parametrize("name", HF_EXACT)
+def test_hf_lossweight_gradient_and_loss_equal_the_full_batch(hf: list[dict], name: str) -> None:
+    for outcome in hf:
+        seen = outcome[name]
+        assert max(seen["relative_errors"]) < EXACT, seen["relative_errors"]
+        for logged, expected in zip(seen["logged_losses"], seen["expected_losses"], strict=True):
+            assert relative(logged, expected) < 1e-12
+        assert seen["logged_tokens"] == seen["expected_tokens"]
+        assert seen["logged_samples"] == seen["expected_samples"]
+        # Trainer's own running loss, which it keeps in float32, is the weighted mean too.
+        mean = sum(seen["expected_losses"]) / len(seen["expected_losses"])
+        assert relative(seen["train_loss"], mean) < FP32
+    assert len({json.dumps(outcome[name]["logged_losses"]) for outcome in hf}) == 1
+
+
+def test_hf_genuine_causal_lm_loss_at_float32_precision(hf: list[dict]) -> None:
+    for outcome in hf:
+        seen = outcome["llama-fp32-loss/lossweight"]
+        assert max(seen["relative_errors"]) < FP32, seen["relative_errors"]
+        for logged, expected in zip(seen["logged_losses"], seen["expected_losses"], strict=True):
+            assert relative(logged, expected) < FP32
+        assert seen["logged_tokens"] == seen["expected_tokens"]
+
+
+@pytest.mark.parametrize("name", HF_ALONE_OFF)
+def test_hf_alone_is_visibly_off_there(hf: list[dict], name: str) -> None:
+    for outcome in hf:
+        seen = outcome[name]
+        assert max(seen["relative_errors"]) > VISIBLY_OFF, seen["relative_errors"]
+        worst = max(map(relative, seen["logged_losses"], seen["expected_losses"]))
+        assert worst > 1e-3
+
+
+def test_hf_alone_is_exact_with_its_defaults(hf: list[dict]) -> None:
+    # Trainer's own fix (a loss-kwargs model, average_tokens_across_devices=True) holds on the
+    # same data: the reference is the notion Hugging Face itself aims at.
+    for outcome in hf:
+        assert max(outcome["llama/plain"]["relative_errors"]) < EXACT
+
+
+def test_hf_evaluation_is_unchanged(hf: list[dict]) -> None:
+    for outcome in hf:
+        losses = outcome["eval_losses"]
+        assert set(losses) == {"plain", "lossweight"}
+        assert losses["lossweight"] == losses["plain"]
+
+
+# ------------------------------------------------------------------------------------------
+# accelerate and Lightning (tests/problem.py's fp64 model)
+# ------------------------------------------------------------------------------------------
+
+
+def test_loop_data_are_uneven_with_an_empty_microbatch() -> None:
+    for step, window in enumerate(workers.LOOP_WINDOWS):
+        tokens = [
+            [int(mb.num_tokens) for mb in workers.loop_step(step, rank)[1]]
+            for rank in range(WORLD_SIZE)
+        ]
+        assert [len(t) for t in tokens] == [window, window]
+        assert window < workers.LOOP_MICROBATCHES or tokens[1][workers.LOOP_EMPTY[1]] == 0
+        assert sum(tokens[1]) * 3 < sum(tokens[0])
+
+
+def check_exact(steps: list[dict], count: int = workers.LOOP_STEPS) -> None:
+    assert len(steps) == count
+    for step in steps:
+        assert step["relative_error"] < EXACT
+        assert relative(step["loss"], step["expected_loss"]) < 1e-12
+        assert step["tokens"] == step["expected_tokens"]
+
+
+def check_visibly_off(steps: list[dict], count: int = workers.LOOP_STEPS) -> None:
+    assert len(steps) == count
+    assert max(step["relative_error"] for step in steps) > VISIBLY_OFF
+    assert max(relative(step["loss"], step["expected_loss"]) for step in steps) > 1e-3
+
+
+@pytest.mark.parametrize("mode", ["count_first", "scale_after"])
+def test_accelerate_helper_is_exact(accelerate: list[dict], mode: str) -> None:
+    # A streaming loop runs the whole steps only (see accelerate_run).
+    whole = workers.LOOP_WINDOWS.count(workers.LOOP_MICROBATCHES)
+    for outcome in accelerate:
+        check_exact(outcome[mode], workers.LOOP_STEPS if mode == "count_first" else whole)
+        check_visibly_off(outcome["plain"], whole)  # accelerator.backward(mean loss) alone
+
+
+@pytest.mark.parametrize("optimization", ["automatic", "manual"])
+def test_lightning_callback_is_exact(lightning: list[dict], optimization: str) -> None:
+    for outcome in lightning:
+        seen = outcome[f"{optimization}/lossweight"]
+        check_exact(seen["steps"])
+        # What every rank's logger got at each optimizer step.
+        for logged, step in zip(seen["logged_at_steps"], seen["steps"], strict=True):
+            assert relative(logged["train_loss"], step["expected_loss"]) < 1e-12
+            assert logged["train_tokens"] == step["expected_tokens"]
+        # Manual optimization logs after every batch, repeating the last step's values.
+        assert set(seen["every_logged_loss"]) == {s["loss"] for s in seen["steps"]}
+
+        plain = outcome[f"{optimization}/plain"]
+        for step, logged in zip(plain["steps"], plain["logged_at_steps"], strict=True):
+            step["loss"] = logged["train_loss"]  # the mean loss it logged, over ranks
+        check_visibly_off(plain["steps"])
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def test_import_lossweight_imports_no_framework() -> None:
+    code = (
+        "import sys, lossweight, lossweight.integrations; "
+        "print([m for m in ('transformers', 'accelerate', 'lightning', 'pytorch_lightning') "
+        "if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_lightning_follows_a_gradient_accumulation_scheduler() -> None:
+    # In this process: one device, no process group. Epoch 0 accumulates 4 batches (then the
+    # epoch's last 2), epoch 1 accumulates 2; Lightning divides by 4, then by 2.
+    steps = workers.lightning_scheduled_run()
+    assert [(epoch, size) for epoch, size, _ in steps] == [(0, 4), (0, 2), (1, 2), (1, 2), (1, 2)]
+    assert max(error for _, _, error in steps) < EXACT
