@@ -108,16 +108,21 @@ def step_counts(name: str, value: object) -> list[int] | torch.Tensor:
         return [host_count(f"{name}[{index}]", count) for index, count in enumerate(value)]
     tensors = []
     for index, count in enumerate(value):
-        item = f"{name}[{index}]"
         if isinstance(count, torch.Tensor):
-            _check_count_tensor(item, count, 0, "each count must be a 0-dim tensor or an int")
-            tensors.append(count.detach())
+            if count.dim() != 0 or count.dtype not in _COUNT_DTYPES:
+                _check_count_tensor(
+                    f"{name}[{index}]", count, 0, "each count must be a 0-dim tensor or an int"
+                )
+            tensors.append(count)
         else:
-            tensors.append(torch.tensor(host_count(item, count)))
-    device = accelerator_of(f"the tensors in {name}", [count.device for count in tensors])
-    # torch.stack copies, and promotes the integer dtypes to int64.
-    stacked = torch.stack([count.to(device, torch.int64, non_blocking=True) for count in tensors])
-    return _in_range(name, stacked)
+            tensors.append(torch.tensor(host_count(f"{name}[{index}]", count)))
+    devices = {count.device for count in tensors}
+    if len(devices) == 1 and all(count.dtype == torch.int64 for count in tensors):
+        stacked = torch.stack(tensors)  # a copy, on their device
+    else:
+        device = accelerator_of(f"the tensors in {name}", devices)
+        stacked = torch.stack([c.to(device, torch.int64, non_blocking=True) for c in tensors])
+    return _in_range(name, stacked.detach())
 
 
 def microbatch_count(name: str, value: object) -> int | torch.Tensor:

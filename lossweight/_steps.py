@@ -131,10 +131,9 @@ class CountFirstStep:
         if self._factors is None:
             settings, weights = self.settings, self._weights
             total = self.reduction.total(settings.weight_kind)
-            factors = weighting.backward_scale(
+            self._factors = weighting.backward_scale(
                 weights, total, settings.divisor, settings.loss_reduction
             )
-            self._factors = factors.expand(weights.shape)  # a summed loss's factor is shared
         return self._factors
 
     def backward_scale(self, microbatch: int | None) -> torch.Tensor:
@@ -182,11 +181,12 @@ class CountFirstStep:
             return torch.zeros((), dtype=torch.float64, device=self.reduction.device)
         losses = torch.stack(self._losses)
         weights = self._weights.to(losses.device, non_blocking=True)
-        losses = torch.where(weights > 0, losses, 0.0)
-        contributions: torch.Tensor = weighting.loss_contribution(
-            losses, weights, self.settings.loss_reduction
-        )
-        return contributions.sum()
+        host = self._host_weights
+        if host is None or not all(host):  # an empty microbatch's loss may be NaN: drop it
+            losses = torch.where(weights > 0, losses, 0.0)
+        if self.settings.loss_reduction == "sum":
+            return losses.sum()
+        return torch.dot(losses, weights)  # the sum of weighting.loss_contribution's w * l
 
     def _on(self, loss: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each microbatch's (factor, weight > 0) at the loss's precision (float32 at least)

@@ -68,11 +68,15 @@ def backward_scale(
 
     ``s = w * D / W`` for a mean loss and ``s = D / W`` for a summed one, so that the gradients
     of all microbatches of all ranks, summed and divided by ``D``, are the gradient of the
-    step's weighted mean loss. Zero when the step is empty.
+    step's weighted mean loss. Zero for a mean loss when the step is empty (a summed loss's
+    factor is then ``D``, times losses that are all 0). Rounded once.
     """
     if loss_reduction == "mean":
         return weight * divisor / nonzero_total(total)
-    return divisor / nonzero_total(total)
+    # weight * 0 + D is D, shaped and placed like the weight: for tensors the division is then
+    # tensor by tensor, rounded once (a number divided by a tensor is computed as a reciprocal
+    # times the number, rounded twice).
+    return (weight * 0 + divisor) / nonzero_total(total)
 
 
 def loss_contribution(loss: Quantity, weight: Quantity, loss_reduction: LossReduction) -> Any:

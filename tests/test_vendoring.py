@@ -1,0 +1,89 @@
+"""docs/vendoring.md's promise: the listed files, copied into another package, work alone."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import lossweight
+
+PACKAGE = Path(lossweight.__file__).parent
+ACCUMULATOR_FILES = [
+    "weighting.py",
+    "accumulator.py",
+    "_steps.py",
+    "_payload.py",
+    "_checks.py",
+    "collectives.py",
+    "result.py",
+]
+
+
+def run_isolated(tmp_path: Path, code: str) -> None:
+    """Run ``code`` with ``tmp_path`` first on the path and the installed lossweight hidden."""
+    prelude = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "sys.modules['lossweight'] = None  # an import of the installed package now fails\n"
+    )
+    subprocess.run([sys.executable, "-c", prelude + code], check=True, cwd=tmp_path, timeout=120)
+
+
+def vendor(tmp_path: Path, files: list[str]) -> None:
+    target = tmp_path / "mytrainer" / "_vendor" / "lw"
+    target.mkdir(parents=True)
+    for package in (tmp_path / "mytrainer", tmp_path / "mytrainer" / "_vendor", target):
+        (package / "__init__.py").touch()
+    for name in files:
+        shutil.copy(PACKAGE / name, target / name)
+
+
+def test_the_accumulator_files_run_a_step_under_another_name(tmp_path: Path) -> None:
+    vendor(tmp_path, [*ACCUMULATOR_FILES, "counting.py"])
+    run_isolated(
+        tmp_path,
+        "import torch\n"
+        "from mytrainer._vendor.lw.accumulator import Accumulator\n"
+        "from mytrainer._vendor.lw.counting import count_tokens\n"
+        "x = torch.ones((), dtype=torch.float64, requires_grad=True)\n"
+        "acc = Accumulator(loss_reduction='sum')\n"
+        "labels = [torch.tensor([[1, 2, -100]]), torch.tensor([[3, -100, -100]])]\n"
+        "acc.begin(num_tokens=[count_tokens(y) for y in labels])\n"
+        "for y in labels:\n"
+        "    acc.scale_loss(x * count_tokens(y)).backward()\n"
+        "result = acc.end()\n"
+        "assert x.grad.item() == 1.0 and result.num_tokens.item() == 3\n"
+        "loaded = [name for name, module in sys.modules.items() if module is not None]\n"
+        "assert not any(name.startswith('lossweight') for name in loaded)\n",
+    )
+
+
+def test_the_math_file_alone_runs_without_torch(tmp_path: Path) -> None:
+    shutil.copy(PACKAGE / "weighting.py", tmp_path / "lw_weighting.py")
+    run_isolated(
+        tmp_path,
+        "sys.modules['torch'] = None\n"
+        "import lw_weighting\n"
+        "assert lw_weighting.backward_scale(3, 4, 2.0, 'mean') == 1.5\n",
+    )
+
+
+def test_the_listed_files_are_all_the_accumulator_imports() -> None:
+    # Every module the Accumulator's files import from the package is in the list.
+    imported = set()
+    for name in ACCUMULATOR_FILES:
+        for line in (PACKAGE / name).read_text().splitlines():
+            if line.startswith("from ."):
+                module = line.split()[1].lstrip(".").split(".")[0]
+                if module:
+                    imported.add(f"{module}.py")
+                else:  # "from . import weighting"
+                    imported.update(f"{m.strip()}.py" for m in line.split("import")[1].split(","))
+    assert imported <= set(ACCUMULATOR_FILES), imported - set(ACCUMULATOR_FILES)
+    # And the page lists exactly these files for the Accumulator.
+    page = (PACKAGE.parent / "docs" / "vendoring.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith("| the `Accumulator`"))
+    assert sorted(re.findall(r"`(\w+\.py)`", row)) == sorted(ACCUMULATOR_FILES)
