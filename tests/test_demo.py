@@ -57,3 +57,18 @@ def test_no_plot_writes_nothing(tmp_path: Path) -> None:
         timeout=300,
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_plotting_library_is_named_before_any_training() -> None:
+    hide = "import sys; sys.modules['matplotlib'] = None; import runpy; "
+    run = "runpy.run_module('lossweight.demo', run_name='__main__')"
+    finished = subprocess.run(
+        [sys.executable, "-c", hide + run, "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert finished.returncode == 2
+    assert finished.stdout == ""  # nothing trained, nothing printed
+    assert "the demo needs matplotlib, which is not installed" in finished.stderr
+    assert 'pip install "lossweight[demo]", or run it with --no-plot' in finished.stderr
