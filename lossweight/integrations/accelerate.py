@@ -73,8 +73,9 @@ class AcceleratorAccumulator:
             by a scale-after step, and its gradient synchronization is skipped before a
             count-first step's last microbatch. Needed for both, unless passed to
             :meth:`accumulate`.
-        loss_reduction, weight_by, grad_reduction, loss_logging, weight_estimate: as for
-            :class:`lossweight.Accumulator`.
+
+    ``loss_reduction``, ``weight_by``, ``grad_reduction``, ``loss_logging`` and
+    ``weight_estimate`` are those of :class:`lossweight.Accumulator`.
 
     Attributes:
         accumulator: the :class:`lossweight.Accumulator`.

@@ -76,10 +76,8 @@ if "loss_is_scaled_for_ga" not in vars(Trainer):
 class LossweightTrainer(Trainer):
     """``transformers.Trainer`` whose optimizer steps are weighted by lossweight.
 
-    Args:
-        weight_by: ``"tokens"`` (each target token weighs the same) or ``"samples"`` (each
-            row of the batch does).
-        *args, **kwargs: those of ``Trainer``.
+    It takes the arguments of ``Trainer``, and ``weight_by``: ``"tokens"`` (each target
+    token weighs the same, the default) or ``"samples"`` (each row of the batch does).
 
     Attributes:
         accumulator: the :class:`lossweight.Accumulator` (``loss_reduction="mean"``).
