@@ -162,6 +162,12 @@ class Reduction:
         self._handle: Waitable | None = start_all_reduce(collective, payload)
         self._totals: torch.Tensor | None = None
         self._counts: torch.Tensor | None = None
+        self._error: DisagreementError | None = None
+
+    @property
+    def failed(self) -> bool:
+        """Whether the check failed (and raised) already."""
+        return self._error is not None
 
     @property
     def device(self) -> torch.device:
@@ -169,6 +175,8 @@ class Reduction:
 
     def result(self) -> torch.Tensor:
         """The summed payload, once every rank's agreement is checked."""
+        if self._error is not None:
+            raise self._error
         if self._totals is None:
             if self._handle is not None:
                 handle, self._handle = self._handle, None
@@ -210,7 +218,8 @@ class Reduction:
             try:
                 torch._assert_async(checked.all(), "lossweight: the ranks disagree")
             except RuntimeError:
-                raise DisagreementError(self._describe(checked.tolist())) from None
+                self._error = DisagreementError(self._describe(checked.tolist()))
+                raise self._error from None
             return
         # On an accelerator each failure is its own device-side assert with a fixed message:
         # the values cannot be read without waiting for the device.

@@ -8,6 +8,7 @@ the global weight, and a logged loss waiting for a reduction to ride on.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from types import TracebackType
 from typing import Any, Literal
@@ -433,6 +434,11 @@ class Accumulator:
                 f"lossweight reads format {_STATE_FORMAT}"
             )
         options = state_dict["options"]
+        if not isinstance(options, dict):
+            raise ValueError(
+                f"state_dict has options={options!r}, not a dict of the Accumulator's options; "
+                "pass the value state_dict() returned"
+            )
         for name in _OPTIONS:
             if options.get(name) != self._options[name]:
                 raise ValueError(
@@ -443,9 +449,11 @@ class Accumulator:
         steps, estimate = state_dict["steps"], state_dict["weight_estimate"]
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"state_dict has steps={steps!r}; it must be an int, 0 or more")
-        if isinstance(estimate, bool) or not isinstance(estimate, (int, float)) or estimate < 0:
+        is_number = isinstance(estimate, (int, float)) and not isinstance(estimate, bool)
+        if not is_number or not math.isfinite(estimate) or estimate < 0:
             raise ValueError(
-                f"state_dict has weight_estimate={estimate!r}; it must be a number, 0 or more"
+                f"state_dict has weight_estimate={estimate!r}; it must be a finite number, 0 "
+                "or more"
             )
         self._steps, self._estimate = steps, float(estimate)
         self._pending = None
@@ -499,7 +507,9 @@ class Accumulator:
         """Wait for and check every reduction started so far, before a new one starts, so
         that a disagreement surfaces at the reduction that paired it."""
         while self._unsettled:
-            self._unsettled.pop().result()
+            reduction = self._unsettled.pop()
+            if not reduction.failed:  # an error already raised is not raised again
+                reduction.result()
 
     def _carry_pending(self, reduction: Reduction) -> None:
         if self._pending is not None:

@@ -105,4 +105,5 @@ def gradient_correction(total: Quantity, estimate: Quantity) -> Any:
     provisional scales only had the wrong global weight, and it appears once, in a common
     factor. Both totals are guarded as in :func:`nonzero_total`.
     """
-    return nonzero_total(estimate) / nonzero_total(total)
+    # total * 0 + E is E, placed like the total: a tensor by a tensor, rounded once.
+    return (total * 0 + nonzero_total(estimate)) / nonzero_total(total)
