@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from lossweight import Accumulator, DisagreementError
+from lossweight.collectives import SingleProcess
 
 from . import gloo
 from .distributed_worker import (
@@ -758,20 +759,9 @@ def test_a_pickled_accumulator_continues_at_another_world_size(hardening_runs: d
 def test_an_explicit_collective_makes_an_accumulator_unpicklable() -> None:
     # The pickled Accumulator above reduces over the default group; one given a group or a
     # collective refuses to be pickled rather than lose it.
-    acc = Accumulator(loss_reduction="sum", collective=_OneRank())
+    acc = Accumulator(loss_reduction="sum", collective=SingleProcess())
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(acc)
-
-
-class _OneRank:
-    world_size = 1
-    device = torch.device("cpu")
-
-    def can_reduce_on(self, device: torch.device) -> bool:
-        return True
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        return None
 
 
 def test_the_harness_kills_a_hung_rank_and_reports_every_rank() -> None:
