@@ -289,6 +289,11 @@ def raise_or_hang(rank: int, world_size: int) -> None:
 
 def abort_or_wait(rank: int, world_size: int) -> None:
     """Rank 1 aborts as a C++ terminate() would, the others wait for it."""
+    import torch.distributed as dist
+
+    # Every rank past the group's set-up first: a rank that aborts while the others still
+    # connect makes them fail at once (and report), which is not what this checks.
+    dist.barrier()
     if rank == 1:
         os.abort()
     time.sleep(3600)
