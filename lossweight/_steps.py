@@ -50,10 +50,6 @@ class Settings:
     def weight_kind(self) -> int:
         return TOKENS if self.weight_by == "tokens" else SAMPLES
 
-    @property
-    def weight_name(self) -> str:
-        return COUNT_NAMES[self.weight_kind]
-
     @functools.cached_property
     def _option_codes(self) -> tuple[int, ...]:
         return option_codes(self.weight_by, self.loss_reduction, self.loss_logging, self.divisor)
