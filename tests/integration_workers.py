@@ -155,6 +155,49 @@ def fp64_causal_lm_loss(
     return loss / num_items_in_batch if num_items_in_batch is not None else loss
 
 
+def fp64_throughout(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with Llama's RMSNorm and rotary embedding computing in the model's float64.
+
+    transformers computes both in float32 whatever the model's dtype. Their float32 rounding
+    depends on the tensor's shape and on the CPU's vector width: with AVX2 kernels a
+    microbatch's rows round unlike the same rows in the full batch (5e-8 apart), with AVX-512
+    they happen to agree. An fp64 reference is only exact for a model that is fp64 throughout.
+    """
+    from transformers.models.llama import modeling_llama as llama
+
+    class RMSNorm(llama.LlamaRMSNorm):
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    class RotaryEmbedding(llama.LlamaRotaryEmbedding):
+        def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
+            freqs = position_ids[..., None].to(x.dtype) * self.inv_freq.to(x.dtype)
+            angles = torch.cat((freqs, freqs), dim=-1)
+            return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
+
+    for module in model.modules():
+        if type(module) is llama.LlamaRMSNorm:
+            module.__class__ = RMSNorm
+        elif type(module) is llama.LlamaRotaryEmbedding:
+            module.__class__ = RotaryEmbedding
+    return model
+
+
+class Float32Results(torch.overrides.TorchFunctionMode):
+    """Records the torch functions that return a float32 tensor while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if isinstance(result, torch.Tensor) and result.dtype == torch.float32:
+            self.names.add(getattr(func, "__name__", str(func)))
+        return result
+
+
 def hf_models() -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
@@ -183,12 +226,12 @@ def hf_models() -> dict[str, Any]:
         max_position_embeddings=16,
         pad_token_id=0,
         num_labels=3,
-        attn_implementation="eager",
+        attn_implementation="sdpa",  # eager attention takes its softmax in float32
     )
 
     def build(cls: type, fp64_loss: bool) -> torch.nn.Module:
         torch.manual_seed(0)
-        model = cls(config).double()
+        model = fp64_throughout(cls(config).double())
         if fp64_loss:
             model.loss_function = fp64_causal_lm_loss
         return model
@@ -259,7 +302,12 @@ def hf_run(rank: int, world_size: int, tmp: str) -> dict:
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             self.steps.append(gradients(model))
 
-    outcome: dict[str, Any] = {}
+    outcome: dict[str, Any] = {"float32_functions": {}}
+    for model_name, model in models.items():  # what of each model computes in float32
+        batch = HFCollator(model_name == "classifier")(rows[: len(rows) // HF_STEPS])
+        with Float32Results() as seen:
+            copy.deepcopy(model)(**batch).loss.backward()
+        outcome["float32_functions"][model_name] = sorted(seen.names)
     evaluations = {}
     for name, (model_name, kind, weight_by, average) in HF_CONFIGS.items():
         classify = model_name == "classifier"

@@ -119,6 +119,19 @@ def test_hf_alone_is_visibly_off_there(hf: list[dict], name: str) -> None:
         assert worst > 1e-3
 
 
+def test_hf_models_compute_in_float64_throughout(hf: list[dict]) -> None:
+    # The premise of EXACT: float32 rounds differently with the tensor's shape and the CPU's
+    # vector width, so a float32 step anywhere would make exactness depend on the machine.
+    for outcome in hf:
+        seen = outcome["float32_functions"]
+        assert {name: seen[name] for name in ("llama", "no-loss-kwargs", "classifier")} == {
+            "llama": [],
+            "no-loss-kwargs": [],
+            "classifier": [],
+        }
+        assert "float" in seen["llama-fp32-loss"]  # ForCausalLMLoss's upcast, seen
+
+
 def test_hf_alone_is_exact_with_its_defaults(hf: list[dict]) -> None:
     # Trainer's own fix (a loss-kwargs model, average_tokens_across_devices=True) holds on the
     # same data: the reference is the notion Hugging Face itself aims at.
