@@ -105,13 +105,15 @@ def start_reduction(
     other_count: tuple[bool, bool] = (False, False),
     own_loss: torch.Tensor | None = None,
     previous_loss: torch.Tensor | None = None,
+    traceable: bool = False,
 ) -> Reduction:
     """Build this rank's payload on ``device`` and start summing it over the ranks.
 
     ``samples`` and ``tokens`` are this rank's counts: a Python int (its total), an int64
     tensor (summed here), or None (0). ``other_count`` says whether this rank gave, and
     whether it lacked, the count that does not weight. ``own_loss`` and ``previous_loss`` are
-    loss sums, 0 when None.
+    loss sums, 0 when None. ``traceable``: the result is always used, maybe inside a graph
+    that torch.compile traces (see :func:`~lossweight.collectives.start_all_reduce`).
     """
     world_size = collective.world_size
     squares = [code * code for code in codes]
@@ -140,7 +142,7 @@ def start_reduction(
             # copy_ moves a loss on another device (a GPU loss, a gloo payload) as well.
             payload[slot].copy_(loss)
             payload[slot + 1].copy_(loss - loss != 0)  # True for NaN and for either infinity
-    return Reduction(collective, payload, values[centre:radius], values[radius:], codes)
+    return Reduction(collective, payload, values[centre:radius], values[radius:], codes, traceable)
 
 
 class Reduction:
@@ -154,12 +156,13 @@ class Reduction:
         centre: torch.Tensor,
         radius: torch.Tensor,
         codes: Sequence[int],
+        traceable: bool = False,
     ) -> None:
         self._payload = payload
         self._centre, self._radius = centre, radius
         self._codes = tuple(codes)
         self._world_size = collective.world_size
-        self._handle: Waitable | None = start_all_reduce(collective, payload)
+        self._handle: Waitable | None = start_all_reduce(collective, payload, traceable=traceable)
         self._totals: torch.Tensor | None = None
         self._counts: torch.Tensor | None = None
         self._error: DisagreementError | None = None
@@ -173,14 +176,19 @@ class Reduction:
     def device(self) -> torch.device:
         return self._payload.device
 
+    def wait(self) -> None:
+        """Wait for the all-reduce to complete (once), without checking it: on an accelerator
+        a stream dependency, on the CPU a wait for the other ranks."""
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            handle.wait()
+
     def result(self) -> torch.Tensor:
         """The summed payload, once every rank's agreement is checked."""
         if self._error is not None:
             raise self._error
         if self._totals is None:
-            if self._handle is not None:
-                handle, self._handle = self._handle, None
-                handle.wait()
+            self.wait()
             self._check()
             payload = self._payload
             # low + LIMB * high: the product is exact, the sum is rounded once above 2**53.
@@ -214,17 +222,18 @@ class Reduction:
 
     def _check(self) -> None:
         checked = (self._payload[:_CHECKED] - self._centre).abs() <= self._radius
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and not torch.compiler.is_compiling():
             try:
                 torch._assert_async(checked.all(), "lossweight: the ranks disagree")
             except RuntimeError:
                 self._error = DisagreementError(self._describe(checked.tolist()))
                 raise self._error from None
             return
-        # On an accelerator each failure is its own device-side assert with a fixed message:
-        # the values cannot be read without waiting for the device.
-        for index, passed in enumerate(checked):
-            torch._assert_async(passed, _accelerator_message(index, self._codes))
+        # On an accelerator, and in a graph torch.compile traces, each failure is its own
+        # assert with a fixed message: the values cannot be read without waiting for the
+        # device, nor inside a graph.
+        for passed, message in zip(checked, _ASSERT_MESSAGES, strict=True):
+            torch._assert_async(passed, message)
 
     def _describe(self, passed: list[bool]) -> str:
         values = self._payload.tolist()
@@ -294,12 +303,17 @@ def _field_problem(
     )
 
 
-def _accelerator_message(index: int, codes: Sequence[int]) -> str:
+def _assert_message(index: int) -> str:
     if index < 2 * _CODES:
         return (
-            f"lossweight: the data-parallel ranks disagree on {FIELDS[index % _CODES]} at step "
-            f"{codes[0]} (mod 2**16) while reducing for {CALLS[codes[1]]}; every rank must "
-            "make the same calls with Accumulators of the same options"
+            f"lossweight: the data-parallel ranks disagree on {FIELDS[index % _CODES]} in one "
+            "reduction of a step; every rank must make the same calls (begin(), end(), "
+            "flush(), abandon()) for the same steps, with Accumulators of the same options"
         )
     name = ("num_samples", "num_tokens")[index - 2 * _CODES]
     return f"lossweight: the step's total {name} over all ranks is 2**62 or more"
+
+
+# Fixed, so that the assert of each checked slot neither formats a string per reduction nor
+# reads a number that torch.compile may have made symbolic.
+_ASSERT_MESSAGES = tuple(_assert_message(index) for index in range(_CHECKED))

@@ -106,6 +106,7 @@ class CountFirstStep:
             tokens=totals[TOKENS],
             other_count=(other is not None, other is None and self.size > 0),
             previous_loss=carried_loss,
+            traceable=True,  # end() uses the totals in every case
         )
         # Weights given as ints stay on the host, where "is this microbatch empty?" costs
         # nothing; weights given as tensors stay on their device.
@@ -118,8 +119,12 @@ class CountFirstStep:
         self.scaled = 0
         self._factors: torch.Tensor | None = None
         self._cast_key: tuple[torch.device, torch.dtype] | None = None
-        self._cast: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._losses: list[torch.Tensor] = []
+        self._cast: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Each microbatch's detached loss, as float64 on the losses' device, made with the
+        # first loss. A tensor indexed by the microbatch's index rather than a growing list,
+        # so that a graph torch.compile traces through scale_loss() does not depend on how
+        # many losses came before: one graph serves every microbatch after the first.
+        self._losses: torch.Tensor | None = None
 
     def factors(self) -> torch.Tensor:
         """Every microbatch's factor as float64, computed once, when first needed: that first
@@ -155,15 +160,21 @@ class CountFirstStep:
                 f"begin() declared {self.size} microbatches; declare one count per microbatch "
                 "in begin()"
             )
-        factor, positive = self._on(loss)[index]
-        self._losses.append(loss.detach().to(torch.float64, copy=True))
-        self.scaled += 1
-        if self._host_weights is not None and self._host_weights[index] > 0:
-            return loss * factor
+        factors, positive = self._on(loss)
+        losses = self._losses
+        assert losses is not None
+        losses[index] = loss.detach()
+        self.scaled = index + 1
+        if (
+            not torch.compiler.is_compiling()  # a graph must not depend on the counts
+            and self._host_weights is not None
+            and self._host_weights[index] > 0
+        ):
+            return loss * factors[index]
         # A microbatch of weight 0 contributes exactly nothing: torch.where takes neither the
         # value nor the gradient of the loss it does not select (the NaN of a mean over zero
         # items included).
-        return torch.where(positive, loss, 0.0) * factor
+        return torch.where(positive[index], loss, 0.0) * factors[index]
 
     def loss_sum(self) -> torch.Tensor:
         """This rank's term of the step's loss numerator, after its last microbatch."""
@@ -173,9 +184,9 @@ class CountFirstStep:
                 f"begin() declared for step {self.index}; pass every declared microbatch's "
                 "loss through scale_loss(), or declare fewer"
             )
-        if not self._losses:
+        losses = self._losses
+        if losses is None:
             return torch.zeros((), dtype=torch.float64, device=self.reduction.device)
-        losses = torch.stack(self._losses)
         weights = self._weights.to(losses.device, non_blocking=True)
         host = self._host_weights
         if host is None or not all(host):  # an empty microbatch's loss may be NaN: drop it
@@ -184,16 +195,20 @@ class CountFirstStep:
             return losses.sum()
         return torch.dot(losses, weights)  # the sum of weighting.loss_contribution's w * l
 
-    def _on(self, loss: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each microbatch's (factor, weight > 0) at the loss's precision (float32 at least)
-        and on its device, made once per step."""
+    def _on(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every microbatch's factor at the loss's precision (float32 at least) and whether
+        its weight is positive, on the loss's device: made once per step (and per loss
+        device and dtype)."""
         key = (loss.device, loss.dtype)
         if key != self._cast_key:
             dtype = torch.promote_types(loss.dtype, torch.float32)
             factors = self.factors().to(loss.device, dtype, non_blocking=True)
             positive = (self._weights > 0).to(loss.device, non_blocking=True)
-            self._cast = list(zip(factors.unbind(), positive.unbind(), strict=True))
+            self._cast = (factors, positive)
             self._cast_key = key
+            if self._losses is None:
+                self._losses = torch.zeros(self.size, dtype=torch.float64, device=loss.device)
+        assert self._cast is not None
         return self._cast
 
 

@@ -359,16 +359,22 @@ class Accumulator:
         abandon the same step, as every rank ends the same steps; a rank that abandons alone
         makes the next reduction fail with a :class:`DisagreementError` on every rank. The
         gradients are left as they are: call ``optimizer.zero_grad()`` before the next step.
-        The step keeps its index, so the next one is counted after it on every rank.
+        The step keeps its index, so the next one is counted after it on every rank. A
+        count-first step's reduction, which every rank started in ``begin()``, is waited for
+        here, so that none is left in flight.
         """
-        self._step = None
+        step, self._step = self._step, None
+        if isinstance(step, CountFirstStep):
+            step.reduction.wait()
 
     def flush(self) -> None:
         """Reduce the loss that ``loss_logging="next_step"`` left waiting, if any.
 
         The last count-first step of a run has no next step to carry its loss: call this on
         every rank, after its ``end()``, to read it. It issues one all-reduce when a loss is
-        waiting (the same on every rank) and nothing otherwise.
+        waiting (the same on every rank) and nothing otherwise, and waits for it (on an
+        accelerator, a stream dependency), so that the run may destroy its process group
+        right after.
         """
         if self._step is not None:
             raise RuntimeError(
@@ -387,6 +393,7 @@ class Accumulator:
             collective.device,
             previous_loss=loss_sum,
         )
+        reduction.wait()  # nothing left in flight: the run may end right after
         self._carry_pending(reduction)
         self._unsettled.append(reduction)
 

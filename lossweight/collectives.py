@@ -91,6 +91,9 @@ class ProcessGroupCollective:
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group)
+        named = group if group is not None else dist.group.WORLD
+        assert named is not None  # get_world_size() found the default group
+        self._group_name = named.group_name
         self._device_types = _device_types(str(dist.get_backend(group)))
         if "cuda" in self._device_types and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -100,11 +103,28 @@ class ProcessGroupCollective:
     def can_reduce_on(self, device: torch.device) -> bool:
         return device.type in self._device_types
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> Waitable | None:
+    def all_reduce_sum(self, tensor: torch.Tensor, *, traceable: bool = False) -> Waitable | None:
+        if traceable:
+            # The functional collective, in place: the same process-group call, but its wait
+            # is an operator that torch.compile traces, so a compiled function that uses the
+            # sum (scale_loss) has no graph break. torch holds such a collective until it is
+            # waited on, so it serves only reductions that are always waited on.
+            torch.ops._c10d_functional.all_reduce_(tensor, "sum", self._group_name)
+            return _TensorWait(tensor)
         # Looked up on the module at each call, so that code which wraps
-        # torch.distributed.all_reduce (to count or trace collectives) sees this one too.
+        # torch.distributed.all_reduce (to trace collectives) sees this one too.
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return work  # type: ignore[no-any-return]
+
+
+class _TensorWait:
+    """The wait of a functional collective on ``tensor``."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def wait(self) -> None:
+        torch.ops._c10d_functional.wait_tensor(self._tensor)
 
 
 def _device_types(backend: str) -> tuple[str, ...]:
@@ -169,9 +189,16 @@ class CollectiveResolver:
 _SINGLE_PROCESS = SingleProcess()
 
 
-def start_all_reduce(collective: Collective, tensor: torch.Tensor) -> Waitable | None:
-    """``collective.all_reduce_sum(tensor)``, its return value checked."""
-    handle = collective.all_reduce_sum(tensor)
+def start_all_reduce(
+    collective: Collective, tensor: torch.Tensor, *, traceable: bool = False
+) -> Waitable | None:
+    """``collective.all_reduce_sum(tensor)``, its return value checked. ``traceable``: the
+    caller waits on the result in every case, maybe inside a graph torch.compile traces; a
+    torch.distributed process group then reduces with a functional collective."""
+    if traceable and isinstance(collective, ProcessGroupCollective):
+        handle = collective.all_reduce_sum(tensor, traceable=True)
+    else:
+        handle = collective.all_reduce_sum(tensor)
     if handle is not None and not callable(getattr(handle, "wait", None)):
         raise TypeError(
             f"{type(collective).__name__}.all_reduce_sum() returned {handle!r}; it must "

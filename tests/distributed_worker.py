@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
-from collections import Counter
-from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from lossweight import Accumulator
+from lossweight.testing import count_collectives
 
 from .problem import (
     IGNORE,
@@ -32,53 +29,6 @@ from .problem import (
     reference,
     split,
 )
-
-# Every torch.distributed function a trainer or wrapper may issue a collective with.
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "broadcast",
-    "broadcast_object_list",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "gather",
-    "scatter",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-)
-
-
-@contextlib.contextmanager
-def counting_collectives() -> Iterator[Counter[str]]:
-    """Count the calls of torch.distributed's collectives; each call still runs for real."""
-    counts: Counter[str] = Counter()
-    originals = {name: getattr(dist, name) for name in COLLECTIVES}
-
-    def counted(name: str):
-        original = originals[name]
-
-        @functools.wraps(original)
-        def call(*args, **kwargs):
-            counts[name] += 1
-            return original(*args, **kwargs)
-
-        return call
-
-    for name in COLLECTIVES:
-        setattr(dist, name, counted(name))
-    try:
-        yield counts
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
 
 
 def layout(world_size: int, weight_by: str) -> list[list[int]]:
@@ -180,14 +130,14 @@ def scenario(rank: int, world_size: int, wrapper: str, config: dict) -> dict:
 
     # The same step without lossweight: what the wrapper itself communicates.
     plain = wrap(copy.deepcopy(base), wrapper, world_size, grad_reduction)
-    with counting_collectives() as plain_calls:
+    with count_collectives() as plain_calls:
         run_step(plain, wrapper, microbatches, weight_by, loss_reduction)
 
     outcome = {
         "expected_loss": expected_loss,
         "expected_tokens": int(batch.num_tokens),
         "expected_samples": batch.num_samples,
-        "plain_collectives": dict(plain_calls),
+        "plain_collectives": dict(plain_calls.calls),
         "plain_relative_error": max_relative_error(full_gradients(plain), expected_grads),
     }
     grads = {}
@@ -199,7 +149,7 @@ def scenario(rank: int, world_size: int, wrapper: str, config: dict) -> dict:
             grad_reduction=grad_reduction,
             loss_logging=loss_logging or config["scale_after_logging"],
         )
-        with counting_collectives() as calls:
+        with count_collectives() as calls:
             result = run_step(
                 model, wrapper, microbatches, weight_by, loss_reduction, acc, scale_after
             )
@@ -210,9 +160,9 @@ def scenario(rank: int, world_size: int, wrapper: str, config: dict) -> dict:
         except RuntimeError as error:  # a next_step loss has not travelled yet
             early_read = f"RuntimeError: {error}"
         # The reduction that carries a next_step loss; nothing to carry in the other modes.
-        with counting_collectives() as flush_calls:
+        with count_collectives() as flush_calls:
             acc.flush()
-        with counting_collectives() as read_calls:
+        with count_collectives() as read_calls:
             logged = result.loss.item()
             num_tokens, num_samples = int(result.num_tokens), int(result.num_samples)
             flags = bool(result.is_empty), bool(result.nonfinite_loss)
@@ -224,9 +174,9 @@ def scenario(rank: int, world_size: int, wrapper: str, config: dict) -> dict:
             "is_empty_or_nonfinite": flags,
             "step": result.step,
             "read_before_flush": early_read,
-            "step_collectives": dict(calls),
-            "flush_collectives": dict(flush_calls),
-            "read_collectives": dict(read_calls),
+            "step_collectives": dict(calls.calls),
+            "flush_collectives": dict(flush_calls.calls),
+            "read_collectives": dict(read_calls.calls),
         }
     outcome["modes_relative_difference"] = max(
         max_relative_error(grads[mode], grads["count_first/end"]) for mode in MODES

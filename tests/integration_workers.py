@@ -661,3 +661,87 @@ def lightning_scheduled_run() -> list[tuple[int, int, float]]:
         warnings.simplefilter("ignore")
         trainer.fit(Module(), loader)
     return steps
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile
+# --------------------------------------------------------------------------------------------
+
+COMPILE_ROWS = 3  # every microbatch padded to this many rows, so that its shapes never change
+
+
+def compile_run(rank: int, world_size: int) -> dict:
+    """A hand-written count-first loop whose microbatch function (model, loss, scale_loss) is
+    compiled with fullgraph=True; the gradients are averaged over the ranks as DDP does."""
+    import torch._dynamo.testing
+    import torch.distributed as dist
+
+    from lossweight import Accumulator
+    from lossweight.testing import count_collectives
+
+    torch.set_num_threads(1)
+    model = make_model(7)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    acc = Accumulator(loss_reduction="mean")
+
+    def microbatch(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return acc.scale_loss(microbatch_loss(model, Batch(features, labels), "tokens", "mean"))
+
+    def padded(step: int) -> list[Batch]:
+        # Rows of padding only change nothing: they hold no token.
+        microbatches = loop_step(step, rank)[1]
+        return [
+            Batch(
+                F.pad(mb.features, (0, 0, 0, 0, 0, COMPILE_ROWS - mb.num_samples)),
+                F.pad(mb.labels, (0, 0, 0, COMPILE_ROWS - mb.num_samples), value=IGNORE),
+            )
+            for mb in microbatches
+        ]
+
+    # What dynamo sees, on a first step that only explains: a step's first microbatch (which
+    # waits for the count reduction) and a later one.
+    explained = []
+    microbatches = padded(0)
+    acc.begin(num_tokens=[mb.num_tokens for mb in microbatches])
+    for mb in microbatches:
+        explanation = torch._dynamo.explain(microbatch)(mb.features, mb.labels)
+        explained.append(
+            {
+                "graphs": explanation.graph_count,
+                "breaks": explanation.graph_break_count,
+                "reasons": [str(reason.reason) for reason in explanation.break_reasons],
+                "code": "\n".join(graph.code for graph in explanation.graphs),
+            }
+        )
+    acc.abandon()
+    torch._dynamo.reset()
+
+    backend = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(microbatch, backend=backend, fullgraph=True)
+    passes, graphs, collectives = [], [], []
+    for _ in range(2):  # the same steps twice: the second must compile nothing
+        recorder = StepRecorder(rank)
+        for step in range(LOOP_STEPS):
+            microbatches = padded(step)
+            with count_collectives() as seen:
+                acc.begin(num_tokens=[mb.num_tokens for mb in microbatches])
+            for mb in microbatches:
+                compiled(mb.features, mb.labels).backward()
+            for parameter in model.parameters():
+                assert parameter.grad is not None
+                dist.all_reduce(parameter.grad)
+                parameter.grad /= world_size
+            with count_collectives() as seen_in_end:
+                result = acc.end()
+            recorder.record(model, result)
+            collectives.append({"begin": dict(seen.calls), "end": dict(seen_in_end.calls)})
+            optimizer.step()
+            optimizer.zero_grad()
+        passes.append(recorder.steps)
+        graphs.append(backend.frame_count)
+    return {
+        "explained": explained,
+        "passes": passes,
+        "compiled_graphs": graphs,
+        "collectives": collectives,
+    }

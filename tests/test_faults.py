@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 from lossweight import Accumulator, DisagreementError
 from lossweight.collectives import SingleProcess
+from lossweight.testing import count_collectives
 
 from . import gloo
 from .distributed_worker import (
-    counting_collectives,
     full_gradients,
     global_batch,
     microbatch_context,
@@ -244,7 +244,7 @@ def _rank0_reads(rank: int, group: dist.ProcessGroup, mode: str, loss_logging: s
     (2 s + 4 + 6 s) / 6."""
     acc = Accumulator(group=group, loss_reduction="mean", loss_logging=loss_logging)
     read, previous = [], None
-    with counting_collectives() as calls:
+    with count_collectives() as calls:
         for step in (1, 2, 3):
             x = _scalar()
             losses, counts = ([float(step), 4.0], [2, 1]) if rank == 0 else ([2.0 * step], [3])
@@ -257,7 +257,7 @@ def _rank0_reads(rank: int, group: dist.ProcessGroup, mode: str, loss_logging: s
         acc.flush()  # no-op unless a next_step loss waits
         if rank == 0 and loss_logging == "next_step":
             read.append(previous.loss.item())  # type: ignore[union-attr]
-    return {"read": read, "collectives": dict(calls)}
+    return {"read": read, "collectives": dict(calls.calls)}
 
 
 @protocol("rank0_reads/count_first/end")

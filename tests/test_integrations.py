@@ -224,3 +224,48 @@ def test_lightning_follows_a_gradient_accumulation_scheduler() -> None:
     steps = workers.lightning_scheduled_run()
     assert [(epoch, size) for epoch, size, _ in steps] == [(0, 4), (0, 2), (1, 2), (1, 2), (1, 2)]
     assert max(error for _, _, error in steps) < EXACT
+
+
+# ------------------------------------------------------------------------------------------
+# torch.compile
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[dict]:
+    # About 20 s on 2 cores, most of it inductor compiling two graphs on each rank.
+    return values(run_ranks(WORLD_SIZE, workers.compile_run, deadline=180))
+
+
+def test_a_compiled_microbatch_function_has_no_graph_break(compiled: list[dict]) -> None:
+    for outcome in compiled:
+        first, *later = outcome["explained"]
+        for explained in outcome["explained"]:
+            assert (explained["graphs"], explained["breaks"]) == (1, 0), explained["reasons"]
+            assert "all_reduce" not in explained["code"]  # begin() started it, eagerly
+        # The first microbatch waits for the count reduction inside the graph; the others
+        # use its factors.
+        assert "wait_tensor" in first["code"]
+        assert all("wait_tensor" not in explained["code"] for explained in later)
+
+
+def test_a_compiled_microbatch_function_gives_the_full_batch_gradient(
+    compiled: list[dict],
+) -> None:
+    for outcome in compiled:
+        for steps in outcome["passes"]:
+            check_exact(steps)
+        # Per step, one all-reduce from begin() and one from end() for the loss.
+        per_step = {"begin": {"all_reduce": 1}, "end": {"all_reduce": 1}}
+        assert outcome["collectives"] == [per_step] * (2 * workers.LOOP_STEPS)
+
+
+def test_a_compiled_microbatch_function_compiles_a_bounded_number_of_graphs(
+    compiled: list[dict],
+) -> None:
+    # Two graphs: a step's first microbatch (which waits for the counts) and every later one,
+    # whatever its index and counts; the short last step (2 microbatches, not 4) makes dynamo
+    # compile both once more with the number of microbatches symbolic. Running the same steps
+    # again (18 microbatch calls in all) compiles nothing.
+    for outcome in compiled:
+        assert outcome["compiled_graphs"] == [4, 4]
