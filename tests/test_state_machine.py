@@ -2,12 +2,14 @@
 
 Hypothesis drives every public call of :class:`lossweight.Accumulator` in random orders, in
 both modes (count first, scale after) and with every option, for ranks simulated in one process
-and driven from one thread in lockstep (tests/lockstep.py). The ranks of one run share their
-options. The calls that reduce over the ranks (``begin()``, ``end()``, ``flush()``,
-``abandon()``) are made on every rank in the same rule; ``scale_loss()`` and
-``backward_scale()`` on one rank or all; every misuse on one rank only: it must raise a clear
-error (naming the argument or the call) before any collective, and change nothing, so that the
-run goes on and later steps still check out exactly.
+by :class:`lossweight.testing.InProcessGroup` and driven from one thread, in turn (but for
+scale-after ``end()`` and ``flush()``, which wait for their own all-reduce: the group runs
+them on every rank at once). The ranks of one run share their options. The calls that reduce
+over the ranks (``begin()``, ``end()``, ``flush()``, ``abandon()``) are made on every rank in
+the same rule; ``scale_loss()`` and ``backward_scale()`` on one rank or all; every misuse on one
+rank only: it must raise a clear error (naming the argument or the call) before any
+collective, and change nothing, so that the run goes on and later steps still check out
+exactly.
 
 The model is exact (:class:`fractions.Fraction`), and every float the library computes from
 it is checked within as many ulps as the float64 roundings the documented formula needs, each
@@ -52,8 +54,7 @@ from hypothesis.stateful import (
 )
 
 from lossweight import Accumulator, DisagreementError, StepResult
-
-from .lockstep import LockstepGroup
+from lossweight.testing import InProcessCollective, InProcessGroup
 
 NAMES = ("num_samples", "num_tokens")
 OPTIONS = (  # what state_dict() saves and load_state_dict() checks
@@ -252,7 +253,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
 
     def _new_group(self, world_size: int, weight_estimate: float) -> None:
         self.world_size = world_size
-        self.group = LockstepGroup(world_size)
+        self.group = InProcessGroup(world_size)
         self.calls = 0  # the all-reduces each rank has issued
         self.accs = [
             Accumulator(
@@ -647,7 +648,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
                 if probe:
                     part.params[len(part.weights)].grad = torch.ones((), dtype=F64)
             # end() of a scale-after step waits for its own all-reduce: every rank at once.
-            results = self.group.together([acc.end for acc in self.accs])
+            results = self.group.run(lambda rank, _: self.accs[rank].end())
             self.calls += 1
             reduced = True
             divisor = Fraction(total or 1)
@@ -700,8 +701,8 @@ class AccumulatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.step is None and self.pending is not None)
     @rule()
     def flush(self) -> None:
-        for rank, acc in enumerate(self.accs):
-            self._settling(rank, acc.flush)
+        # flush() waits for the all-reduce it starts: every rank at once.
+        self.group.run(lambda rank, _: self._settling(rank, self.accs[rank].flush))
         self.calls += 1
         self._carry()
 
@@ -783,10 +784,15 @@ class AccumulatorMachine(RuleBasedStateMachine):
                     counts = {self.weight_name: 1, self.other_name: 1, name: count}
                     acc.scale_loss(param * 1.0, **counts).backward()
             before = [param.grad.clone() for param in params]  # type: ignore[union-attr]
-            errors = self.group.together([acc.end for acc in self.accs], return_exceptions=True)
+
+            def refused_end(rank: int, _: InProcessCollective) -> DisagreementError:
+                with pytest.raises(DisagreementError) as refused:
+                    self.accs[rank].end()
+                return refused.value
+
+            errors = self.group.run(refused_end)
             self.calls += 1
             for error in errors:
-                assert isinstance(error, DisagreementError), error
                 assert f"total {name}" in str(error) and "2**62" in str(error)
             for param, grad in zip(params, before, strict=True):  # not rescaled
                 assert torch.equal(param.grad, grad)  # type: ignore[arg-type]
@@ -1054,13 +1060,13 @@ class AccumulatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def ranks_agree_with_the_model(self) -> None:
-        for rank, acc in enumerate(self.accs):
+        for acc in self.accs:
             assert acc.step_open == (self.step is not None)
             assert acc.steps == self.steps
-            issued = self.group.issued(rank)
-            assert issued == self.calls, (
-                f"rank {rank} issued {issued} all-reduces, not {self.calls}"
-            )
+        issued = self.group.calls
+        assert issued == [self.calls] * self.world_size, (
+            f"the ranks issued {issued} all-reduces, not {self.calls} each"
+        )
 
 
 class NoRanks:
@@ -1160,46 +1166,6 @@ AccumulatorMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestAccumulatorMachine = AccumulatorMachine.TestCase
-
-
-# The lockstep group the machine runs on.
-
-
-def test_lockstep_sums_every_rank_and_counts_the_collectives() -> None:
-    group = LockstepGroup(3)
-    tensors = [torch.tensor([1.0, rank], dtype=F64) for rank in range(3)]
-    handles = [group.collective(rank).all_reduce_sum(t) for rank, t in enumerate(tensors)]
-    tensors[0].fill_(100.0)  # a contribution is copied when it is made
-    for handle in handles:
-        handle.wait()
-    assert all(t.tolist() == [3.0, 3.0] for t in tensors)
-    assert group.calls == 1 and [group.issued(rank) for rank in range(3)] == [1, 1, 1]
-
-
-def test_lockstep_refuses_to_wait_for_a_rank_that_has_not_contributed() -> None:
-    group = LockstepGroup(2)
-    handle = group.collective(0).all_reduce_sum(torch.zeros(2, dtype=F64))
-    with pytest.raises(
-        RuntimeError, match=r"rank 0 waited for all-reduce 0 before rank\(s\) \[1\]"
-    ):
-        handle.wait()
-    group.collective(1).all_reduce_sum(torch.ones(2, dtype=F64))
-    handle.wait()  # complete now
-
-
-def test_together_runs_a_call_that_waits_and_reports_a_deadlock() -> None:
-    group = LockstepGroup(2)
-
-    def reduce(rank: int) -> list[float]:
-        tensor = torch.full((1,), float(rank + 1), dtype=F64)
-        handle = group.collective(rank).all_reduce_sum(tensor)
-        handle.wait()
-        return tensor.tolist()
-
-    assert group.together([lambda: reduce(0), lambda: reduce(1)]) == [[3.0], [3.0]]
-    # Rank 1 skips the collective: rank 0 would wait forever.
-    with pytest.raises(RuntimeError, match="never contributed"):
-        group.together([lambda: reduce(0), lambda: None])
 
 
 # Minimal reproductions of what the machine found, each on a single process.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -18,7 +19,13 @@ from hypothesis import strategies as st
 
 from lossweight import Accumulator, count_tokens, token_cross_entropy
 from lossweight.collectives import ProcessGroupCollective
-from lossweight.testing import InProcessGroup, Split, assert_split_invariant, default_splits
+from lossweight.testing import (
+    InProcessCollective,
+    InProcessGroup,
+    Split,
+    assert_split_invariant,
+    default_splits,
+)
 from lossweight.testing import strategies as lst
 
 from . import gloo
@@ -213,16 +220,96 @@ def test_default_splits_are_partitions_with_the_hard_cases() -> None:
     )
 
 
-def test_the_group_reports_ranks_that_never_reduce() -> None:
-    group = InProcessGroup(2, timeout=0.5)
+# The in-process group.
 
-    def work(rank: int, collective) -> None:
+
+def reduce_once(rank: int, collective: InProcessCollective) -> list[float]:
+    tensor = torch.full((1,), float(rank + 1), dtype=torch.float64)
+    collective.all_reduce_sum(tensor).wait()
+    return tensor.tolist()
+
+
+def test_the_group_driven_from_one_thread_sums_every_rank_and_counts_the_calls() -> None:
+    group = InProcessGroup(3)
+    collectives = [group.collective(rank) for rank in range(3)]
+    tensors = [torch.tensor([1.0, rank], dtype=torch.float64) for rank in range(3)]
+    handles = [c.all_reduce_sum(t) for c, t in zip(collectives, tensors, strict=True)]
+    tensors[0].fill_(100.0)  # a contribution is copied when it is made
+    for handle in handles:
+        handle.wait()
+    assert [t.tolist() for t in tensors] == [[3.0, 3.0]] * 3
+    assert group.calls == [1, 1, 1] and [c.calls for c in collectives] == [1, 1, 1]
+
+
+def test_a_wait_from_one_thread_fails_at_once_before_every_rank_started_the_sum() -> None:
+    group = InProcessGroup(2)  # a wait that blocked would fail after 60 s, with another message
+    handle = group.collective(0).all_reduce_sum(torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(
+        RuntimeError, match=r"rank 0 waited for all-reduce 0 before rank\(s\) \[1\] started it"
+    ):
+        handle.wait()
+    group.collective(1).all_reduce_sum(torch.ones(2, dtype=torch.float64))
+    handle.wait()  # complete now
+
+
+def test_run_runs_a_call_that_waits_on_every_rank_and_mixes_with_one_thread() -> None:
+    group = InProcessGroup(2)
+    assert group.run(reduce_once) == [[3.0], [3.0]]
+    # Then rank after rank from this thread: the calls carry on from run()'s, and back.
+    tensors = [torch.ones(1), torch.full((1,), 4.0)]
+    handles = [group.collective(rank).all_reduce_sum(t) for rank, t in enumerate(tensors)]
+    for handle in handles:
+        handle.wait()
+    assert [t.tolist() for t in tensors] == [[5.0], [5.0]] and group.calls == [2, 2]
+    assert group.run(reduce_once) == [[3.0], [3.0]] and group.calls == [3, 3]
+
+
+def test_run_reports_at_once_a_rank_that_never_starts_the_sum() -> None:
+    group = InProcessGroup(2)  # found when rank 1 returns, not after the 60 s timeout
+
+    def rank_1_skips(rank: int, collective: InProcessCollective) -> list[float] | None:
+        return reduce_once(rank, collective) if rank == 0 else None
+
+    with pytest.raises(
+        RuntimeError,
+        match=r"all-reduce 0 of rank 0 can never complete: .* rank\(s\) \[1\] did not start it",
+    ):
+        group.run(rank_1_skips)
+
+
+def test_run_bounds_a_wait_for_a_busy_rank_by_the_timeout() -> None:
+    group = InProcessGroup(2, timeout=0.1)
+
+    def rank_1_is_slow(rank: int, collective: InProcessCollective) -> list[float] | None:
         if rank == 0:
-            handle = collective.all_reduce_sum(torch.ones(3, dtype=torch.float64))
-            handle.wait()
+            return reduce_once(rank, collective)
+        time.sleep(1.5)  # busy rather than waiting: no deadlock to see
+        return None
 
-    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not start it within 0.5 s"):
-        group.run(work)
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not start it within 0.1 s"):
+        group.run(rank_1_is_slow)
+
+
+def test_run_is_not_reentrant() -> None:
+    group = InProcessGroup(1)
+    with pytest.raises(RuntimeError, match="already running"):
+        group.run(lambda rank, collective: group.run(reduce_once))
+
+
+def test_a_contribution_unlike_another_ranks_is_refused() -> None:
+    group = InProcessGroup(2)
+    group.collective(0).all_reduce_sum(torch.zeros(2, dtype=torch.float64))
+    for tensor, kind in (
+        (torch.zeros(2), "float32 tensor of shape (2,)"),
+        (torch.zeros(3, dtype=torch.float64), "float64 tensor of shape (3,)"),
+    ):
+        with pytest.raises(RuntimeError) as refused:
+            group.collective(1).all_reduce_sum(tensor)
+        assert str(refused.value) == (
+            f"all-reduce 0: rank 1 contributes a torch.{kind}, rank 0 a torch.float64 tensor "
+            "of shape (2,)"
+        )
+    assert group.calls == [1, 0]  # a refused contribution is not issued
 
 
 @settings(max_examples=150, deadline=None)

@@ -15,17 +15,28 @@ class InProcessGroup:
     """``world_size`` data-parallel ranks simulated in one process.
 
     ``group.collective(rank)`` is a real :class:`lossweight.Collective` for one rank: its
-    ``all_reduce_sum`` records the rank's contribution and returns at once; the handle's
-    ``wait()`` blocks until every rank has contributed to that same call (its first, its
-    second, ...), then writes the sum into the rank's tensor. So the ranks can run in threads
-    of their own, as :meth:`run` does, or be driven in turn from one thread as long as each
-    rank's reduction is started before a rank waits for it (``begin()`` of a count-first step
-    on every rank, then the microbatches). A wait that cannot complete (the ranks issued their
-    collectives in different numbers or orders, where a real process group would hang) fails
-    with RuntimeError after ``timeout`` seconds, or at once once a rank has failed in
-    :meth:`run`.
+    ``all_reduce_sum`` records a copy of the rank's tensor and returns at once; the handle's
+    ``wait()`` writes the sum of every rank's contribution to that same call (its first, its
+    second, ...) into the rank's tensor. The ranks run in either of two ways, which mix freely:
 
-    It is fast enough for property tests of hundreds of examples: a reduction is a few tensor
+    - in threads of their own, with :meth:`run`: a ``wait()`` blocks until every rank has
+      contributed. One that cannot complete fails with RuntimeError at once, when another rank
+      has failed or when every rank still running waits and some rank never started the sum
+      (the ranks issued their collectives in different numbers or orders, where a real process
+      group would hang); ``timeout`` seconds bound the others.
+    - in turn, from one thread, outside :meth:`run`: every rank starts an all-reduce before
+      any rank waits for it, as when ``begin()`` of a count-first step runs on every rank
+      before their microbatches. No other thread is expected to contribute, so a ``wait()``
+      before every rank has contributed fails with RuntimeError at once. A call that waits for
+      its own all-reduce, ``end()`` of a scale-after step or ``flush()``, cannot run rank
+      after rank: ``run(lambda rank, _: accumulators[rank].end())`` runs it on every rank at
+      once.
+
+    Every rank must contribute a tensor of the same shape and dtype to a call, as a real
+    process group requires; one unlike another rank's fails with RuntimeError. :attr:`calls`
+    counts the all-reduces each rank has issued.
+
+    It is fast enough for property tests of thousands of examples: a reduction is a few tensor
     copies and additions.
     """
 
@@ -38,6 +49,10 @@ class InProcessGroup:
         self._contributions: dict[int, dict[int, torch.Tensor]] = {}
         self._issued = [0] * world_size
         self._failed: BaseException | None = None
+        # Only while run() runs: the ranks whose work has not returned, and the call each rank
+        # blocked in wait() waits for. A wait outside run() comes from the one driving thread.
+        self._running: set[int] | None = None
+        self._blocked: dict[int, int] = {}
 
     def collective(self, rank: int) -> InProcessCollective:
         """The collective of ``rank`` (0 to ``world_size - 1``)."""
@@ -54,6 +69,11 @@ class InProcessGroup:
         """Run ``work(rank, collective)`` for every rank, each in a thread of its own, and
         return their results in rank order. If a rank raises, the others' waits fail at once
         and the first error is raised here."""
+        with self._condition:
+            if self._running is not None:
+                raise RuntimeError("InProcessGroup.run() is already running: it is not reentrant")
+            self._running = set(range(self.world_size))
+            self._failed = None
         results: list[Any] = [None] * self.world_size
         errors: list[BaseException] = []
 
@@ -64,15 +84,23 @@ class InProcessGroup:
                 errors.append(error)
                 with self._condition:
                     self._failed = self._failed or error
-                    self._condition.notify_all()
+            finally:
+                with self._condition:
+                    assert self._running is not None
+                    self._running.discard(rank)
+                    self._condition.notify_all()  # the others may wait for this rank in vain
 
         threads = [
             threading.Thread(target=run_rank, args=(rank,)) for rank in range(self.world_size)
         ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        finally:
+            with self._condition:
+                self._running = None
         if errors:
             raise errors[0]
         return results
@@ -80,30 +108,71 @@ class InProcessGroup:
     def _contribute(self, rank: int, tensor: torch.Tensor) -> int:
         with self._condition:
             index = self._issued[rank]
+            parts = self._contributions.setdefault(index, {})
+            for other, part in parts.items():
+                if part.shape != tensor.shape or part.dtype != tensor.dtype:
+                    raise RuntimeError(
+                        f"all-reduce {index}: rank {rank} contributes a {tensor.dtype} tensor of "
+                        f"shape {tuple(tensor.shape)}, rank {other} a {part.dtype} tensor of "
+                        f"shape {tuple(part.shape)}"
+                    )
             self._issued[rank] += 1
-            self._contributions.setdefault(index, {})[rank] = tensor.detach().clone()
+            parts[rank] = tensor.detach().clone()
             self._condition.notify_all()
             return index
 
+    def _missing(self, index: int) -> list[int]:
+        return sorted(set(range(self.world_size)) - set(self._contributions[index]))
+
+    def _deadlocked(self) -> bool:
+        """In run(): every rank still running waits for a sum that some rank never started."""
+        assert self._running is not None
+        return all(
+            rank in self._blocked and self._missing(self._blocked[rank]) for rank in self._running
+        )
+
     def _sum(self, index: int, rank: int) -> torch.Tensor:
         with self._condition:
-            complete = self._condition.wait_for(
-                lambda: (
-                    self._failed is not None or len(self._contributions[index]) == self.world_size
-                ),
-                timeout=self._timeout,
-            )
-            if self._failed is not None:
-                raise RuntimeError(
-                    f"all-reduce {index} of rank {rank} abandoned: another rank failed"
-                )
-            if not complete:
-                missing = sorted(set(range(self.world_size)) - set(self._contributions[index]))
-                raise RuntimeError(
-                    f"all-reduce {index} of rank {rank} never completed: rank(s) {missing} did "
-                    f"not start it within {self._timeout:g} s (the ranks issued their "
-                    f"collectives in different numbers or orders; issued so far: {self._issued})"
-                )
+            if self._running is None:
+                missing = self._missing(index)
+                if missing:
+                    raise RuntimeError(
+                        f"rank {rank} waited for all-reduce {index} before rank(s) {missing} "
+                        "started it: driven from one thread, every rank must start an "
+                        "all-reduce before any rank waits for it (run a call that waits for its "
+                        "own all-reduce on every rank at once with InProcessGroup.run())"
+                    )
+            else:
+                self._blocked[rank] = index
+                try:
+                    settled = self._condition.wait_for(
+                        lambda: (
+                            self._failed is not None
+                            or not self._missing(index)
+                            or self._deadlocked()
+                        ),
+                        timeout=self._timeout,
+                    )
+                finally:
+                    del self._blocked[rank]
+                missing = self._missing(index)
+                if missing and self._failed is not None:
+                    raise RuntimeError(
+                        f"all-reduce {index} of rank {rank} abandoned: another rank failed"
+                    )
+                if missing:
+                    stuck = (
+                        "can never complete: every rank still running waits, and rank(s) "
+                        f"{missing} did not start it"
+                        if settled
+                        else f"never completed: rank(s) {missing} did not start it within "
+                        f"{self._timeout:g} s"
+                    )
+                    raise RuntimeError(
+                        f"all-reduce {index} of rank {rank} {stuck} (the ranks issued their "
+                        "collectives in different numbers or orders, where a real process group "
+                        f"would hang; issued so far: {self._issued})"
+                    )
             parts = self._contributions[index]
             return torch.stack([parts[r] for r in range(self.world_size)]).sum(0)
 
