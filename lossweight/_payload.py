@@ -29,6 +29,7 @@ from array import array
 from collections.abc import Sequence
 
 import torch
+from torch.torch_version import TorchVersion
 
 from .collectives import Collective, Waitable, start_all_reduce
 
@@ -181,7 +182,9 @@ class Reduction:
         a stream dependency, on the CPU a wait for the other ranks."""
         if self._handle is not None:
             handle, self._handle = self._handle, None
-            handle.wait()
+            summed = handle.wait()
+            if isinstance(summed, torch.Tensor):  # a functional collective's result
+                self._payload = summed
 
     def result(self) -> torch.Tensor:
         """The summed payload, once every rank's agreement is checked."""
@@ -232,6 +235,16 @@ class Reduction:
         # On an accelerator, and in a graph torch.compile traces, each failure is its own
         # assert with a fixed message: the values cannot be read without waiting for the
         # device, nor inside a graph.
+        if torch.compiler.is_compiling() and not _GRAPH_ASSERTS:
+            # Raised while tracing: with fullgraph=True the compile fails with this message,
+            # without it the function falls back to eager code, which checks on the host.
+            raise RuntimeError(
+                f"lossweight: scale_loss() inside torch.compile needs torch 2.9 or newer on "
+                f"CPU or CUDA (this is torch {torch.__version__}"
+                f"{', ROCm' if torch.version.hip else ''}), whose compiled graphs keep the "
+                "asserts of the ranks' agreement check; upgrade torch, or call scale_loss() "
+                "outside the compiled function"
+            )
         for passed, message in zip(checked, _ASSERT_MESSAGES, strict=True):
             torch._assert_async(passed, message)
 
@@ -313,6 +326,10 @@ def _assert_message(index: int) -> str:
     name = ("num_samples", "num_tokens")[index - 2 * _CODES]
     return f"lossweight: the step's total {name} over all ranks is 2**62 or more"
 
+
+# Before torch 2.9, inductor removed _assert_async from compiled graphs, and on ROCm its
+# device asserts are compiled out: a compiled check there would pass whatever the ranks sent.
+_GRAPH_ASSERTS = torch.version.hip is None and TorchVersion(torch.__version__) >= "2.9"
 
 # Fixed, so that the assert of each checked slot neither formats a string per reduction nor
 # reads a number that torch.compile may have made symbolic.

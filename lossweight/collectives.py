@@ -82,10 +82,14 @@ _BACKEND_DEVICE_TYPES = {
 class ProcessGroupCollective:
     """Reduces over a ``torch.distributed`` process group (None: the default group).
 
-    The all-reduce is launched with ``async_op=True`` and waited on only when its result is
-    needed, so it overlaps the work in between. NCCL reduces CUDA tensors and gloo CPU tensors;
-    a process group made of several backends (``"cpu:gloo,cuda:nccl"``) reduces on each of
-    their devices.
+    The all-reduce is launched asynchronously and waited on only when its result is needed,
+    so it overlaps the work in between: with ``torch.distributed.all_reduce(async_op=True)``,
+    or, for a reduction that is always waited on (a count-first ``begin()``'s), with the
+    functional all-reduce that torch.compile traces (code that wraps
+    ``torch.distributed.all_reduce`` does not see that one;
+    :func:`lossweight.testing.count_collectives` does). NCCL reduces CUDA tensors and gloo CPU
+    tensors; a process group made of several backends (``"cpu:gloo,cuda:nccl"``) reduces on
+    each of their devices.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
@@ -123,8 +127,11 @@ class _TensorWait:
     def __init__(self, tensor: torch.Tensor) -> None:
         self._tensor = tensor
 
-    def wait(self) -> None:
-        torch.ops._c10d_functional.wait_tensor(self._tensor)
+    def wait(self) -> torch.Tensor:
+        """The summed tensor: the caller reads this one, not the tensor it gave, so that a
+        graph torch.compile traces orders every read of the sum after the wait."""
+        summed: torch.Tensor = torch.ops._c10d_functional.wait_tensor(self._tensor)
+        return summed
 
 
 def _device_types(backend: str) -> tuple[str, ...]:

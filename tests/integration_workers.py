@@ -739,9 +739,28 @@ def compile_run(rank: int, world_size: int) -> dict:
             optimizer.zero_grad()
         passes.append(recorder.steps)
         graphs.append(backend.frame_count)
+    # Ranks that disagree (rank 1 sums the gradients where rank 0 averages them): the check
+    # inside the graph fails on every rank.
+    torch._dynamo.reset()
+    disagreeing = Accumulator(loss_reduction="mean", grad_reduction=("mean", "sum")[rank])
+
+    def disagreeing_microbatch(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = microbatch_loss(model, Batch(features, labels), "tokens", "mean")
+        return disagreeing.scale_loss(loss)
+
+    microbatches = padded(0)
+    disagreeing.begin(num_tokens=[mb.num_tokens for mb in microbatches])
+    try:
+        torch.compile(disagreeing_microbatch, fullgraph=True)(
+            microbatches[0].features, microbatches[0].labels
+        )
+        disagreement = None
+    except RuntimeError as error:
+        disagreement = str(error)
     return {
         "explained": explained,
         "passes": passes,
         "compiled_graphs": graphs,
         "collectives": collectives,
+        "disagreement": disagreement,
     }

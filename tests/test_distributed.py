@@ -3,9 +3,10 @@
 Each process runs one optimizer step on an uneven share of one global batch (an empty
 microbatch, a rank with zero weight), counting first with each loss_logging and scaling after;
 the gradients after the wrapper's reduction must equal the single-process full-batch gradient,
-and every rank must log the full-batch loss. The collectives are counted by wrapping
-torch.distributed's functions, which still run. The processes are started by tests/gloo.py,
-which kills them, and fails the test, if they outlive its deadline.
+and every rank must log the full-batch loss. The collectives are counted where they reach the
+process group's backend (lossweight.testing.count_collectives); they still run. The processes
+are started by tests/gloo.py, which kills them, and fails the test, if they outlive its
+deadline.
 """
 
 from __future__ import annotations

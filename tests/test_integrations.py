@@ -269,3 +269,9 @@ def test_a_compiled_microbatch_function_compiles_a_bounded_number_of_graphs(
     # again (18 microbatch calls in all) compiles nothing.
     for outcome in compiled:
         assert outcome["compiled_graphs"] == [4, 4]
+
+
+def test_ranks_that_disagree_fail_inside_the_compiled_graph(compiled: list[dict]) -> None:
+    for outcome in compiled:
+        assert outcome["disagreement"] is not None
+        assert "the data-parallel ranks disagree on grad_reduction" in outcome["disagreement"]

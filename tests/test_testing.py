@@ -388,3 +388,48 @@ def test_only_the_strategies_import_hypothesis() -> None:
         "assert 'hypothesis' in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# count_collectives, on real gloo ranks.
+
+
+def _collectives_seen(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Partial, Replicate, init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lossweight.testing import count_collectives
+
+    seen = {}
+    with count_collectives() as plain:
+        dist.all_reduce(torch.ones(5))  # 20 bytes
+        dist.broadcast(torch.ones(2, dtype=torch.float64), src=0)  # 16 bytes
+    seen["plain"] = [dict(plain.calls), dict(plain.bytes)]
+    with count_collectives() as functional:
+        group = dist.group.WORLD
+        assert group is not None
+        summed = torch.ops._c10d_functional.all_reduce(torch.ones(3), "sum", group.group_name)
+        torch.ops._c10d_functional.wait_tensor(summed)  # no data moves: not counted
+    seen["functional"] = [dict(functional.calls), dict(functional.bytes)]
+    mesh = init_device_mesh("cpu", (world_size,))
+    with count_collectives() as dtensor:
+        partial = DTensor.from_local(torch.ones(4), mesh, [Partial()])
+        partial.redistribute(mesh, [Replicate()]).to_local()  # one all-reduce of 16 bytes
+    seen["dtensor"] = [dict(dtensor.calls), dict(dtensor.bytes)]
+    model = DistributedDataParallel(torch.nn.Linear(3, 1))
+    for _ in range(2):  # DDP rebuilds its buckets, and broadcasts their layout, at step 2
+        model(torch.ones(2, 3)).sum().backward()
+    with count_collectives() as ddp:
+        model(torch.ones(2, 3)).sum().backward()
+    seen["ddp"] = [dict(ddp.calls), dict(ddp.bytes)]
+    return seen
+
+
+def test_count_collectives_sees_every_path_to_the_backend() -> None:
+    for seen in gloo.values(gloo.run_ranks(2, _collectives_seen, deadline=60)):
+        calls = {"all_reduce": 1, "broadcast": 1}
+        assert seen["plain"] == [calls, {"all_reduce": 20, "broadcast": 16}]
+        assert seen["functional"] == [{"all_reduce": 1}, {"all_reduce": 12}]
+        assert seen["dtensor"] == [{"all_reduce": 1}, {"all_reduce": 16}]
+        # DDP's gradient reduction, from its reducer during backward: one bucket of 4 floats.
+        assert seen["ddp"] == [{"all_reduce": 1}, {"all_reduce": 16}]

@@ -38,7 +38,7 @@ _C10D_FUNCTIONS = {
     "recv_any_source_": "recv",
 }
 # Operators of those namespaces that move no data between ranks.
-_NOT_COLLECTIVES = {"wait_tensor", "check_for_nan"}
+_NOT_COLLECTIVES = {"wait_tensor", "check_for_nan", "_wrap_tensor_autograd"}
 
 
 @dataclass
@@ -49,8 +49,9 @@ class CollectiveCounts:
     calls: Counter[str] = field(default_factory=Counter)
     """How many times each collective was issued."""
     bytes: Counter[str] = field(default_factory=Counter)
-    """How many bytes this rank contributed to them (its input tensors; outputs not
-    counted)."""
+    """How many bytes of tensors this rank passed to them: its inputs, outputs not counted
+    (for an operation in place, such as an all-reduce, the tensor it sums; for ``broadcast``
+    off the source rank and for ``recv``, the buffer that is filled)."""
 
 
 @contextlib.contextmanager
@@ -90,6 +91,10 @@ class _Counting(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if any(cls is not torch.Tensor and issubclass(cls, torch.Tensor) for cls in types):
+            # A tensor subclass (DTensor) dispatches the op itself, issuing its collectives on
+            # plain tensors, which come back through this mode to be counted.
+            return NotImplemented
         name = _function_name(func)
         if name is not None:
             self._counts.calls[name] += 1
@@ -99,9 +104,11 @@ class _Counting(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 def _function_name(func: torch._ops.OpOverload) -> str | None:
     operator = func._schema.name.split("::")[-1]
+    if operator in _NOT_COLLECTIVES:
+        return None
     if func.namespace == "c10d":
         return _C10D_FUNCTIONS.get(operator, f"c10d.{operator}")
-    if func.namespace == "_c10d_functional" and operator not in _NOT_COLLECTIVES:
+    if func.namespace == "_c10d_functional":
         return operator.removesuffix("_out").rstrip("_")
     return None
 
