@@ -434,6 +434,19 @@ class StepRecorder:
 # --------------------------------------------------------------------------------------------
 
 
+def loop_dataloader(world_size: int) -> torch.utils.data.DataLoader:
+    """Every rank's microbatches of every step, one per batch, in the order that accelerate's
+    sharding of a prepared dataloader (batch i to rank i % world_size) deals them out as
+    loop_step() says; the short last step ends with the data."""
+    items = []
+    for step, microbatches in enumerate(LOOP_WINDOWS):
+        shares = [loop_step(step, rank)[1] for rank in range(world_size)]
+        for index in range(microbatches):
+            for share in shares:
+                items.append({"features": share[index].features, "labels": share[index].labels})
+    return torch.utils.data.DataLoader(items, batch_size=1, collate_fn=lambda batch: batch[0])
+
+
 def accelerate_run(rank: int, world_size: int) -> dict:
     distributed_environment(rank, world_size)
     from accelerate import Accelerator
@@ -441,12 +454,12 @@ def accelerate_run(rank: int, world_size: int) -> dict:
     from lossweight.integrations.accelerate import AcceleratorAccumulator
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=LOOP_MICROBATCHES)
+    loader = accelerator.prepare(loop_dataloader(world_size))
+    dealt = [Batch(item["features"], item["labels"]).num_tokens for item in loader]
+    expected = [mb.num_tokens for step in range(LOOP_STEPS) for mb in loop_step(step, rank)[1]]
+    assert dealt == expected, (dealt, expected)
     outcome = {}
     for mode in ("plain", "count_first", "scale_after"):
-        # Streaming, accelerate ends a short last step only at the end of a dataloader it
-        # prepared (which would shard the data its own way): those modes run the whole steps.
-        steps = LOOP_STEPS if mode == "count_first" else LOOP_WINDOWS.count(LOOP_MICROBATCHES)
-        stream = [mb for step in range(steps) for mb in loop_step(step, rank)[1]]
         net = make_model(7)
         model, optimizer = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5))
         unwrapped = accelerator.unwrap_model(model)
@@ -454,8 +467,11 @@ def accelerate_run(rank: int, world_size: int) -> dict:
         reduction = "sum" if mode == "scale_after" else "mean"
         lw = AcceleratorAccumulator(accelerator, model, loss_reduction=reduction)
         window_losses: list[torch.Tensor] = []
+        stream = (Batch(item["features"], item["labels"]) for item in loader)
         # Count first: one begin() per window of gradient_accumulation_steps microbatches.
-        windows = list(lw.windows(stream)) if mode == "count_first" else [stream]
+        # Streaming, the loop runs on the prepared dataloader itself, so that accelerate ends
+        # the short last step at the end of the data.
+        windows = lw.windows(stream) if mode == "count_first" else [stream]
         for window in windows:
             if mode == "count_first":
                 lw.begin(num_tokens=[mb.num_tokens for mb in window])

@@ -178,11 +178,11 @@ def check_visibly_off(steps: list[dict], count: int = workers.LOOP_STEPS) -> Non
 
 @pytest.mark.parametrize("mode", ["count_first", "scale_after"])
 def test_accelerate_helper_is_exact(accelerate: list[dict], mode: str) -> None:
-    # A streaming loop runs the whole steps only (see accelerate_run).
-    whole = workers.LOOP_WINDOWS.count(workers.LOOP_MICROBATCHES)
+    # Every step, the short last one included: streaming, accelerate ends it at the end of
+    # its prepared dataloader.
     for outcome in accelerate:
-        check_exact(outcome[mode], workers.LOOP_STEPS if mode == "count_first" else whole)
-        check_visibly_off(outcome["plain"], whole)  # accelerator.backward(mean loss) alone
+        check_exact(outcome[mode], workers.LOOP_STEPS)
+        check_visibly_off(outcome["plain"], workers.LOOP_STEPS)  # accelerator.backward alone
 
 
 @pytest.mark.parametrize("optimization", ["automatic", "manual"])
