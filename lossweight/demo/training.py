@@ -7,6 +7,7 @@ is split and how its microbatches are weighted.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import tempfile
 from collections.abc import Callable
@@ -164,6 +165,10 @@ def gloo_worker(
         run.eval_loss = token_mean(model.module, held_out)
         if rank == 0:
             torch.save(run, Path(scratch, f"{method}.pt"))
+    # DDP keeps the process group in a reference cycle: free it before destroying the group,
+    # or gloo's threads may be torn down at interpreter exit and abort the process.
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 
