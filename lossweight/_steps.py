@@ -116,15 +116,31 @@ class CountFirstStep:
             if isinstance(weights, list)
             else weights.to(device, torch.float64, non_blocking=True)
         )
-        self.scaled = 0
+        self._eager_scaled = 0  # the microbatches scaled in eager code
         self._factors: torch.Tensor | None = None
         self._cast_key: tuple[torch.device, torch.dtype] | None = None
         self._cast: tuple[torch.Tensor, torch.Tensor] | None = None
         # Each microbatch's detached loss, as float64 on the losses' device, made with the
-        # first loss. A tensor indexed by the microbatch's index rather than a growing list,
-        # so that a graph torch.compile traces through scale_loss() does not depend on how
-        # many losses came before: one graph serves every microbatch after the first.
+        # first loss. A tensor indexed by the microbatch's position rather than a growing
+        # list, so that a graph torch.compile traces through scale_loss() does not depend on
+        # how many losses came before.
         self._losses: torch.Tensor | None = None
+        # A step whose first microbatch went through a compiled scale_loss() counts its
+        # microbatches in a tensor: dynamo specializes a Python int reached from a global or
+        # a module attribute (where an Accumulator usually lives), so counting in one would
+        # compile a graph per microbatch. Two graphs serve every step: its first microbatch
+        # (which waits for the counts) and the others.
+        self._traced = False
+        self._cursor: torch.Tensor | None = None
+
+    @property
+    def scaled(self) -> int:
+        """How many microbatches went through scale_loss(); in a compiled step, read from
+        the device (off the hot path: end() of an eager step never reads it)."""
+        if self._traced:
+            assert self._cursor is not None
+            return int(self._cursor)
+        return self._eager_scaled
 
     def factors(self) -> torch.Tensor:
         """Every microbatch's factor as float64, computed once, when first needed: that first
@@ -153,36 +169,59 @@ class CountFirstStep:
         return self.factors()[index]
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._traced_scale_loss(loss)
         index = self.scaled
         if index >= self.size:
-            raise RuntimeError(
-                f"scale_loss() was called for microbatch {index + 1} of step {self.index}, but "
-                f"begin() declared {self.size} microbatches; declare one count per microbatch "
-                "in begin()"
-            )
+            raise RuntimeError(_too_many(index, self.index, self.size))
         factors, positive = self._on(loss)
         losses = self._losses
         assert losses is not None
         losses[index] = loss.detach()
-        self.scaled = index + 1
-        if (
-            not torch.compiler.is_compiling()  # a graph must not depend on the counts
-            and self._host_weights is not None
-            and self._host_weights[index] > 0
-        ):
+        if self._traced:  # an eager microbatch in a compiled step (dynamo fell back)
+            assert self._cursor is not None
+            self._cursor.add_(1)
+        else:
+            self._eager_scaled = index + 1
+        if self._host_weights is not None and self._host_weights[index] > 0:
             return loss * factors[index]
         # A microbatch of weight 0 contributes exactly nothing: torch.where takes neither the
         # value nor the gradient of the loss it does not select (the NaN of a mean over zero
         # items included).
         return torch.where(positive[index], loss, 0.0) * factors[index]
 
+    def _traced_scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """scale_loss() as torch.compile traces it: the microbatch's position is a tensor,
+        and nothing in the graph depends on the counts or on how many microbatches came
+        before."""
+        if self._eager_scaled:  # a guard of value 0 in every compiled step: no recompile
+            raise RuntimeError(
+                f"scale_loss() of step {self.index} is compiled, but {self._eager_scaled} of "
+                "its microbatches went through scale_loss() in eager code before; compile "
+                "the function that calls it from a step's first microbatch on, or not at all"
+            )
+        factors, positive = self._on(loss)
+        losses, cursor = self._losses, self._cursor
+        assert losses is not None and cursor is not None
+        self._traced = True
+        torch._assert_async(cursor < self.size, _TOO_MANY_TRACED)
+        position = cursor.view(1)
+        losses.index_copy_(0, position, loss.detach().to(torch.float64).view(1))
+        selected = positive.index_select(0, position).view(())
+        factor = factors.index_select(0, position).view(())
+        cursor.add_(1)
+        return torch.where(selected, loss, 0.0) * factor
+
     def loss_sum(self) -> torch.Tensor:
         """This rank's term of the step's loss numerator, after its last microbatch."""
-        if self.scaled != self.size:
+        if self._traced:  # checked on the device, where the count is: no host sync
+            assert self._cursor is not None
+            torch._assert_async(self._cursor == self.size, _TOO_FEW_TRACED)
+        elif self._eager_scaled != self.size:
             raise RuntimeError(
-                f"end() was called after {self.scaled} of the {self.size} microbatches that "
-                f"begin() declared for step {self.index}; pass every declared microbatch's "
-                "loss through scale_loss(), or declare fewer"
+                f"end() was called after {self._eager_scaled} of the {self.size} microbatches "
+                f"that begin() declared for step {self.index}; pass every declared "
+                "microbatch's loss through scale_loss(), or declare fewer"
             )
         losses = self._losses
         if losses is None:
@@ -206,10 +245,31 @@ class CountFirstStep:
             positive = (self._weights > 0).to(loss.device, non_blocking=True)
             self._cast = (factors, positive)
             self._cast_key = key
-            if self._losses is None:
+            if self._losses is None:  # the step's first microbatch
                 self._losses = torch.zeros(self.size, dtype=torch.float64, device=loss.device)
+                self._cursor = torch.zeros((), dtype=torch.int64, device=loss.device)
         assert self._cast is not None
         return self._cast
+
+
+def _too_many(index: int, step: int, size: int) -> str:
+    return (
+        f"scale_loss() was called for microbatch {index + 1} of step {step}, but begin() "
+        f"declared {size} microbatches; declare one count per microbatch in begin()"
+    )
+
+
+# Fixed: a message naming the step would make dynamo compile a graph per step.
+_TOO_MANY_TRACED = (
+    "lossweight: a compiled scale_loss() was called for more microbatches than begin() "
+    "declared; declare one count per microbatch in begin()"
+)
+
+
+_TOO_FEW_TRACED = (
+    "lossweight: end() was called before every microbatch that begin() declared went through "
+    "scale_loss(); pass every declared microbatch's loss through scale_loss(), or declare fewer"
+)
 
 
 def float64_tensor(values: list[int] | list[float], device: torch.device) -> torch.Tensor:

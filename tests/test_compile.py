@@ -75,3 +75,65 @@ def test_compiling_scale_loss_is_refused_where_graphs_drop_asserts(
     with pytest.raises(DisagreementError, match=r"2\*\*62 or more"):
         microbatch(features)
     acc.abandon()
+
+
+# An Accumulator at module level, as a training script keeps it: dynamo specializes the Python
+# ints it reaches through a global, so nothing in the graph may count microbatches in one.
+GLOBAL_ACC = Accumulator(loss_reduction="mean")
+
+
+def test_ten_microbatches_of_a_global_accumulator_compile_two_graphs() -> None:
+    import torch._dynamo.testing
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 1, dtype=torch.float64)
+    counter = torch._dynamo.testing.CompileCounter()
+
+    @torch.compile(fullgraph=True, backend=counter)
+    def microbatch(features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # The mean over the rows of the mask, NaN for the microbatch without any (whose
+        # backward stays finite, as cross_entropy's over no target does not).
+        rows = mask.sum()
+        mean = (layer(features).squeeze(-1) * mask).sum() / rows.clamp(min=1)
+        return GLOBAL_ACC.scale_loss(torch.where(rows > 0, mean, torch.nan))
+
+    tokens = list(range(10))  # rows that count, per microbatch of 9 rows
+    masks = [(torch.arange(9) < n).double() for n in tokens]
+    for _ in range(2):
+        features = [torch.randn(9, 4, dtype=torch.float64) for _ in tokens]
+        GLOBAL_ACC.begin(num_tokens=tokens)
+        for rows, mask in zip(features, masks, strict=True):
+            microbatch(rows, mask).backward()
+        GLOBAL_ACC.end()
+        # The token mean over the whole step, in one piece.
+        total = sum((layer(x).squeeze(-1) * m).sum() for x, m in zip(features, masks, strict=True))
+        expected = torch.autograd.grad(total / sum(tokens), list(layer.parameters()))
+        for parameter, grad in zip(layer.parameters(), expected, strict=True):
+            torch.testing.assert_close(parameter.grad, grad)
+            parameter.grad = None
+    assert counter.frame_count == 2  # a step's first microbatch, and every other one
+
+
+def test_a_step_is_compiled_from_its_first_microbatch_or_not_at_all() -> None:
+    acc = Accumulator(loss_reduction="sum")
+    microbatch, layer = compiled(acc)
+    features = torch.ones(2, 4)
+    acc.begin(num_tokens=[1, 1])
+    acc.scale_loss(layer(features).sum())  # eager
+    with pytest.raises(Exception, match=r"went through scale_loss\(\) in eager code before"):
+        microbatch(features)
+    acc.abandon()
+    # Compiled first, then eager (as when dynamo falls back): the eager call takes the next
+    # position, and the step checks out.
+    acc.begin(num_tokens=[1, 3])
+    first = microbatch(features)
+    second = acc.scale_loss(layer(features).sum())
+    acc.end()
+    torch.testing.assert_close(first, layer(features).sum() / 4)
+    torch.testing.assert_close(second, layer(features).sum() / 4)
+    # Too few compiled microbatches: end() refuses the step.
+    acc.begin(num_tokens=[1, 3])
+    microbatch(features)
+    with pytest.raises(RuntimeError, match="end\\(\\) was called before every microbatch"):
+        acc.end()
+    acc.abandon()
