@@ -181,8 +181,10 @@ class Reduction:
         """Wait for the all-reduce to complete (once), without checking it: on an accelerator
         a stream dependency, on the CPU a wait for the other ranks."""
         if self._handle is not None:
-            handle, self._handle = self._handle, None
-            summed = handle.wait()
+            # Forgotten only once it returns: a wait that raised is tried again by the next
+            # use, which would otherwise check this rank's own, unsummed payload.
+            summed = self._handle.wait()
+            self._handle = None
             if isinstance(summed, torch.Tensor):  # a functional collective's result
                 self._payload = summed
 

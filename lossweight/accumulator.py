@@ -393,9 +393,12 @@ class Accumulator:
             collective.device,
             previous_loss=loss_sum,
         )
-        reduction.wait()  # nothing left in flight: the run may end right after
         self._carry_pending(reduction)
         self._unsettled.append(reduction)
+        # Nothing left in flight: the run may end right after. Waited on once the reduction
+        # is recorded, so that a wait that fails is retried by the next read, never by a
+        # second all-reduce.
+        reduction.wait()
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to continue with the factors of an uninterrupted one.

@@ -495,6 +495,18 @@ def accelerate_run(rank: int, world_size: int) -> dict:
                     optimizer.step()
                     optimizer.zero_grad()
         outcome[mode] = recorder.steps
+    # loss_logging="next_step": the last step's loss comes with flush().
+    lw = AcceleratorAccumulator(accelerator, model, loss_reduction="mean", loss_logging="next_step")
+    recorder, window = StepRecorder(rank), loop_step(0, rank)[1]
+    lw.begin(num_tokens=[mb.num_tokens for mb in window])
+    for mb in window:
+        with lw.accumulate():
+            accelerator.backward(lw.scale_loss(microbatch_loss(model, mb, "tokens", "mean")))
+            lw.end_if_sync()
+    assert lw.result is not None
+    lw.flush()
+    recorder.record(unwrapped, lw.result)
+    outcome["next_step"] = recorder.steps
     return outcome
 
 

@@ -185,6 +185,11 @@ def test_accelerate_helper_is_exact(accelerate: list[dict], mode: str) -> None:
         check_visibly_off(outcome["plain"], workers.LOOP_STEPS)  # accelerator.backward alone
 
 
+def test_accelerate_helper_flushes_a_next_step_loss(accelerate: list[dict]) -> None:
+    for outcome in accelerate:
+        check_exact(outcome["next_step"], 1)
+
+
 @pytest.mark.parametrize("optimization", ["automatic", "manual"])
 def test_lightning_callback_is_exact(lightning: list[dict], optimization: str) -> None:
     for outcome in lightning:

@@ -292,7 +292,7 @@ def test_run_bounds_a_wait_for_a_busy_rank_by_the_timeout() -> None:
 
 def test_run_is_not_reentrant() -> None:
     group = InProcessGroup(1)
-    with pytest.raises(RuntimeError, match="already running"):
+    with pytest.raises(RuntimeError, match="already running: it is not reentrant; call it"):
         group.run(lambda rank, collective: group.run(reduce_once))
 
 
@@ -307,7 +307,8 @@ def test_a_contribution_unlike_another_ranks_is_refused() -> None:
             group.collective(1).all_reduce_sum(tensor)
         assert str(refused.value) == (
             f"all-reduce 0: rank 1 contributes a torch.{kind}, rank 0 a torch.float64 tensor "
-            "of shape (2,)"
+            "of shape (2,); every rank must reduce tensors of the same shape and dtype in the "
+            "same order, as a real process group requires"
         )
     assert group.calls == [1, 0]  # a refused contribution is not issued
 
@@ -433,3 +434,20 @@ def test_count_collectives_sees_every_path_to_the_backend() -> None:
         assert seen["dtensor"] == [{"all_reduce": 1}, {"all_reduce": 16}]
         # DDP's gradient reduction, from its reducer during backward: one bucket of 4 floats.
         assert seen["ddp"] == [{"all_reduce": 1}, {"all_reduce": 16}]
+
+
+def test_a_wait_that_failed_is_retried_not_taken_for_a_disagreement() -> None:
+    # Rank 0 reads its loss before rank 1 has ended the step: that wait fails at once. Once
+    # rank 1 has ended it, the same read gives the step's loss, not a false disagreement.
+    group = InProcessGroup(2)
+    accs = [Accumulator(loss_reduction="sum", collective=group.collective(r)) for r in range(2)]
+    for rank, acc in enumerate(accs):
+        acc.begin(num_tokens=[rank + 1])
+    results = []
+    for acc in accs:
+        acc.scale_loss(torch.tensor(3.0))
+        results.append(acc.end())
+        if len(results) == 1:
+            with pytest.raises(RuntimeError, match=r"before rank\(s\) \[1\] started it"):
+                results[0].loss  # noqa: B018
+    assert [r.loss.item() for r in results] == [2.0, 2.0]  # 6 over 3 tokens

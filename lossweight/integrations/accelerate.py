@@ -180,6 +180,11 @@ class AcceleratorAccumulator:
         self.accumulator.abandon()
         self._declared = None
 
+    def flush(self) -> None:
+        """Reduce the last step's loss that ``loss_logging="next_step"`` left waiting (on every
+        rank, after the last step), as :meth:`lossweight.Accumulator.flush`."""
+        self.accumulator.flush()
+
     def windows(self, batches: Iterable[T]) -> Iterator[list[T]]:
         """``batches`` in lists of ``gradient_accumulation_steps`` (the last may be shorter):
         the microbatches of each count-first step."""

@@ -61,8 +61,8 @@ def count_collectives() -> Iterator[CollectiveCounts]:
 
     It sees every collective of this thread whatever issued it: ``torch.distributed``'s
     functions, lossweight's reductions, DDP's gradient all-reduce and FSDP's all-gathers and
-    reduce-scatters during the backward pass, the traceable collectives of torch.compile and
-    DTensor. So a test can assert what a training step costs in communication::
+    reduce-scatters during the backward pass, DTensor's, and functional collectives run in
+    eager code. So a test can assert what a training step costs in communication::
 
         with count_collectives() as seen:
             train_one_step()
@@ -70,7 +70,9 @@ def count_collectives() -> Iterator[CollectiveCounts]:
 
     Collectives of simulated ranks (:class:`InProcessGroup`) are not ``torch.distributed``
     ones and are not seen. It intercepts every tensor operation of the block (a
-    ``TorchDispatchMode``), which slows it down: count in steps that are not timed.
+    ``TorchDispatchMode``), which slows it down: count in steps that are not timed. torch runs
+    no compiled frame under such a mode (``fullgraph=True`` makes that an error): count a
+    compiled step's collectives on the same step uncompiled.
     """
     counts = CollectiveCounts()
     with _Counting(counts):

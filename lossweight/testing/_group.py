@@ -71,7 +71,10 @@ class InProcessGroup:
         and the first error is raised here."""
         with self._condition:
             if self._running is not None:
-                raise RuntimeError("InProcessGroup.run() is already running: it is not reentrant")
+                raise RuntimeError(
+                    "InProcessGroup.run() is already running: it is not reentrant; call it "
+                    "from outside the work it runs, or use another InProcessGroup"
+                )
             self._running = set(range(self.world_size))
             self._failed = None
         results: list[Any] = [None] * self.world_size
@@ -114,7 +117,8 @@ class InProcessGroup:
                     raise RuntimeError(
                         f"all-reduce {index}: rank {rank} contributes a {tensor.dtype} tensor of "
                         f"shape {tuple(tensor.shape)}, rank {other} a {part.dtype} tensor of "
-                        f"shape {tuple(part.shape)}"
+                        f"shape {tuple(part.shape)}; every rank must reduce tensors of the same "
+                        "shape and dtype in the same order, as a real process group requires"
                     )
             self._issued[rank] += 1
             parts[rank] = tensor.detach().clone()
