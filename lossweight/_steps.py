@@ -173,7 +173,11 @@ class CountFirstStep:
             return self._traced_scale_loss(loss)
         index = self.scaled
         if index >= self.size:
-            raise RuntimeError(_too_many(index, self.index, self.size))
+            raise RuntimeError(
+                f"scale_loss() was called for microbatch {index + 1} of step {self.index}, but "
+                f"begin() declared {self.size} microbatches; declare one count per microbatch "
+                "in begin()"
+            )
         factors, positive = self._on(loss)
         losses = self._losses
         assert losses is not None
@@ -201,8 +205,10 @@ class CountFirstStep:
                 "the function that calls it from a step's first microbatch on, or not at all"
             )
         factors, positive = self._on(loss)
+        if self._cursor is None:  # the step's first microbatch: nothing scaled yet
+            self._cursor = torch.zeros((), dtype=torch.int64, device=loss.device)
         losses, cursor = self._losses, self._cursor
-        assert losses is not None and cursor is not None
+        assert losses is not None
         self._traced = True
         torch._assert_async(cursor < self.size, _TOO_MANY_TRACED)
         position = cursor.view(1)
@@ -247,16 +253,8 @@ class CountFirstStep:
             self._cast_key = key
             if self._losses is None:  # the step's first microbatch
                 self._losses = torch.zeros(self.size, dtype=torch.float64, device=loss.device)
-                self._cursor = torch.zeros((), dtype=torch.int64, device=loss.device)
         assert self._cast is not None
         return self._cast
-
-
-def _too_many(index: int, step: int, size: int) -> str:
-    return (
-        f"scale_loss() was called for microbatch {index + 1} of step {step}, but begin() "
-        f"declared {size} microbatches; declare one count per microbatch in begin()"
-    )
 
 
 # Fixed: a message naming the step would make dynamo compile a graph per step.
