@@ -9,10 +9,10 @@ logged loss are those of the whole batch, whatever the split.
 The dependency-free math is in :mod:`lossweight.weighting`.
 """
 
-from ._payload import DisagreementError
 from .accumulator import Accumulator, StepContext
 from .collectives import Collective, Waitable
 from .counting import count_tokens, count_tokens_per_row, token_cross_entropy
+from .errors import DisagreementError
 from .result import StepResult
 
 __all__ = [

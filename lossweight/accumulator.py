@@ -1,9 +1,9 @@
-"""The Accumulator: one object per training loop that weights each microbatch's loss.
+"""The Accumulator: a thin front over the step machine and the tensors of each mode.
 
-It holds the options, finds the data-parallel world when a step begins, opens one step object
-per optimizer step (:mod:`lossweight._steps`: count first or scale after) and delegates to it,
-and carries what travels from one step to the next: the step counter, scale-after's estimate of
-the global weight, and a logged loss waiting for a reduction to ride on.
+Each public call checks its inputs (:mod:`lossweight.validate`), applies a transition of the
+pure step machine (:mod:`lossweight.machine`), then runs its effects: it starts a reduction,
+scales a loss or rescales the gradients (:mod:`lossweight.steps`), or builds a
+:class:`~lossweight.StepResult`.
 """
 
 from __future__ import annotations
@@ -16,33 +16,18 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from . import weighting
-from ._checks import (
-    Count,
-    Counts,
-    check_choice,
-    check_loss,
-    check_positive,
-    microbatch_count,
-    parameter_list,
-    step_counts,
-)
-from ._payload import COUNT_FIRST_END, FLUSH, OWN_LOSS, PREVIOUS_LOSS, Reduction, start_reduction
-from ._steps import COUNT_NAMES, CountFirstStep, ScaleAfterStep, Settings
+from . import _torch, machine, payload, terms, validate
 from .collectives import Collective, CollectiveResolver
-from .result import StepResult
+from .errors import error
+from .payload import Reduction
+from .result import PendingLoss, StepResult
+from .steps import CountFirst, ScaleAfter
+from .validate import Count, Counts
 from .weighting import GradReduction, LossReduction
 
 WeightBy = Literal["samples", "tokens"]
 LossLogging = Literal["end", "next_step"]
 _STATE_FORMAT = 1
-_OPTIONS = (
-    "weight_by",
-    "loss_reduction",
-    "grad_reduction",
-    "loss_logging",
-    "framework_divides_loss_by",
-)
 
 
 class Accumulator:
@@ -62,42 +47,28 @@ class Accumulator:
             acc.scale_loss(loss_of(batch), num_tokens=count_of(batch)).backward()
         result = acc.end()                  # rescales the gradients once
 
-    The gradient of the step, after the data-parallel wrapper has combined the ranks, is the
-    gradient of ``sum(w * l) / W`` (mean losses) or ``sum(l) / W`` (summed losses) over every
-    microbatch of every rank, where ``w`` is a microbatch's count and ``W`` the global count:
-    the same however the step's items are split into ranks and microbatches.
-
-    An Accumulator belongs to one training loop, like an optimizer: it is not thread-safe, and
-    every rank of the data-parallel group calls ``begin()``, ``end()``, ``abandon()`` and
-    ``flush()`` for the same steps. Ranks that disagree (on a step, a mode or an option) get a
-    :class:`DisagreementError` from the reduction that paired them, never wrong numbers.
+    The step's gradient, once the data-parallel wrapper has combined the ranks, is that of
+    ``sum(w * l) / W`` (mean losses) or ``sum(l) / W`` (summed losses) over every microbatch of
+    every rank, ``w`` a microbatch's count and ``W`` the global count: the same however the
+    step is split. Every rank calls ``begin()``, ``end()``, ``abandon()`` and ``flush()`` for
+    the same steps; ranks that disagree get a :class:`DisagreementError`, never wrong numbers.
+    Not thread-safe, like an optimizer. docs/usage.md explains each argument at length.
 
     Args:
         loss_reduction: whether each loss you pass is the ``"mean"`` or the ``"sum"`` of its
-            items' losses. Required: :func:`lossweight.token_cross_entropy` returns a sum,
-            ``F.cross_entropy`` a mean by default. ``"sum"`` is exact for empty microbatches
-            whatever the loss; a hand-written mean over zero items has a NaN backward of its
-            own (docs/usage.md).
+            items' losses (required).
         weight_by: which count weights a microbatch: ``"tokens"`` or ``"samples"``.
         grad_reduction: how the data-parallel wrapper combines the ranks' gradients:
-            ``"mean"`` (DDP and FSDP by default), ``"sum"`` (e.g. FSDP2 with
-            ``set_gradient_divide_factor(1.0)``), or the number it divides their sum by.
-        group: the data-parallel ``torch.distributed`` process group to reduce the counts
-            over. Default: the default group, looked up at each ``begin()`` (a single process
-            while torch.distributed is not initialized). With tensor or context parallelism,
-            pass the group of the data-parallel replicas.
+            ``"mean"`` (DDP, FSDP), ``"sum"``, or the number it divides their sum by.
+        group: the data-parallel process group (default: the default group, looked up at each
+            ``begin()``; a single process without torch.distributed).
         collective: a :class:`Collective` to reduce with instead of a process group.
-        loss_logging: when a count-first step's logged loss is reduced: ``"end"`` (by its
-            ``end()``, one more all-reduce; ``result.loss`` is ready at once) or
-            ``"next_step"`` (with the next reduction, at no extra collective). Scale-after
-            steps reduce their loss with their counts either way.
-        weight_estimate: for scale-after steps, the global weight the first one's provisional
-            factors assume; later ones assume the previous step's. Default 1: raw counts, which
-            bf16 and fp32 gradients hold; give a rough ``W`` for fp16 ones.
+        loss_logging: ``"end"`` (``end()`` reduces a count-first step's loss, one more
+            all-reduce) or ``"next_step"`` (it travels with the next reduction).
+        weight_estimate: the global weight the first scale-after step's provisional factors
+            assume (later ones assume the previous step's).
         framework_divides_loss_by: what a training framework divides each loss by before its
-            backward, on its own (Accelerate's ``accelerator.backward`` and Lightning's
-            automatic optimization divide by the gradient accumulation steps). The factors are
-            multiplied by it, so the gradient comes out the same. Default 1: nothing.
+            backward (Accelerate, Lightning: the accumulation steps); the factors undo it.
     """
 
     def __init__(
@@ -113,75 +84,46 @@ class Accumulator:
         framework_divides_loss_by: float = 1,
     ) -> None:
         if loss_reduction is None:
-            raise TypeError(
-                "Accumulator() needs loss_reduction: 'sum' if each loss you pass is the sum of "
-                "its items' losses (lossweight.token_cross_entropy returns a sum), 'mean' if it "
-                "is their mean (F.cross_entropy's default reduction)"
-            )
-        check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
-        check_choice("weight_by", weight_by, ("tokens", "samples"))
-        check_choice("loss_logging", loss_logging, ("end", "next_step"))
-        check_positive(
-            "grad_reduction",
-            grad_reduction,
-            "'mean' (the wrapper averages the ranks' gradients, as DDP and FSDP do), 'sum', or "
-            "the positive number it divides their sum by",
-            allowed=("mean", "sum"),
-        )
-        check_positive(
-            "weight_estimate",
-            weight_estimate,
-            "a positive number, roughly the global count of a step",
-        )
-        check_positive(
-            "framework_divides_loss_by",
+            raise error("no_loss_reduction")
+        self.options = terms.Options(
+            loss_reduction, weight_by, grad_reduction, loss_logging, weight_estimate,
             framework_divides_loss_by,
-            "the positive number your framework divides each loss by before its backward "
-            "(its gradient accumulation steps), or 1",
-        )
+        )  # fmt: skip
+        self.layout = terms.Layout(self.options.terms)
         self._resolver = CollectiveResolver(group, collective)
-        self._options: dict[str, Any] = {
-            "weight_by": weight_by,
-            "loss_reduction": loss_reduction,
-            "grad_reduction": grad_reduction,
-            "loss_logging": loss_logging,
-            "framework_divides_loss_by": framework_divides_loss_by,
-        }
-        self._initial_estimate = float(weight_estimate)
-        self._estimate: float | torch.Tensor = self._initial_estimate
-        self._steps = 0
-        self._step: CountFirstStep | ScaleAfterStep | None = None
-        self._unsettled: list[Reduction] = []
-        self._pending: tuple[StepResult, torch.Tensor] | None = None
+        self.state = machine.State(weight_by, loss_logging)
+        self._estimate: float | torch.Tensor = float(weight_estimate)
+        self._tensors: CountFirst | ScaleAfter | None = None
         self._collective: Collective | None = None
-        self._last_settings: Settings | None = None
+        self._divisor = 1.0
+        self._unsettled: list[Reduction] = []
+        self._pending: PendingLoss | None = None
 
     @property
     def weight_by(self) -> WeightBy:
-        return self._options["weight_by"]  # type: ignore[no-any-return]
+        return self.options.weight_by  # type: ignore[return-value]
 
     @property
     def loss_reduction(self) -> LossReduction:
-        return self._options["loss_reduction"]  # type: ignore[no-any-return]
+        return self.options.loss_reduction  # type: ignore[return-value]
 
     @property
     def grad_reduction(self) -> GradReduction | float:
-        return self._options["grad_reduction"]  # type: ignore[no-any-return]
+        return self.options.grad_reduction  # type: ignore[return-value]
 
     @property
     def loss_logging(self) -> LossLogging:
-        return self._options["loss_logging"]  # type: ignore[no-any-return]
+        return self.options.loss_logging  # type: ignore[return-value]
 
     @property
     def step_open(self) -> bool:
-        """Whether a step is open: ``begin()`` was called and neither ``end()`` nor
-        ``abandon()`` has closed it yet."""
-        return self._step is not None
+        """Whether ``begin()`` opened a step that neither ``end()`` nor ``abandon()`` closed."""
+        return self.state.step is not None
 
     @property
     def steps(self) -> int:
         """How many steps have begun (the index of the last one)."""
-        return self._steps
+        return self.state.steps
 
     def begin(
         self,
@@ -192,60 +134,39 @@ class Accumulator:
     ) -> StepContext:
         """Open an optimizer step; every rank calls it.
 
-        Count first: pass this rank's counts, one per microbatch it will run in this step (none
-        is fine), as a 1-D integer tensor or a sequence of ints or 0-dim integer tensors. The
-        count named by ``weight_by`` is required; the other one is optional and only reported.
-        Counts are copied: refilling their buffer afterwards changes nothing. Counts on the
-        CPU, Python ints included, are copied to the collective's device (CUDA for NCCL)
-        without blocking; counts on an accelerator stay there, and the collective must reduce
-        on it. One all-reduce starts here and overlaps whatever runs until the first factor is
-        needed.
-
-        Scale after: pass the ``parameters`` whose gradients ``end()`` rescales
-        (``model.parameters()`` or ``model.named_parameters()``), and each microbatch's counts
-        to :meth:`scale_loss`. Their gradients must be None or zero now (checked on their
-        device).
-
-        Returns a context manager: ``with acc.begin(...):`` abandons the step if an exception
-        leaves the block before ``end()``.
+        Count first: this rank's counts, one per microbatch it will run (none is fine), as a
+        1-D integer tensor or a sequence of ints or 0-dim integer tensors; the ``weight_by``
+        count is required, the other only reported. One all-reduce starts here and overlaps
+        whatever runs until the first factor is needed. Scale after: the ``parameters`` whose
+        gradients ``end()`` rescales; their gradients must be None or zero now. Returns a
+        context manager that abandons the step if an exception leaves its block.
         """
-        if self._step is not None:
-            raise RuntimeError(
-                f"begin() was called while step {self._step.index} is still open; call end() "
-                "to close it, or abandon() to drop it"
-            )
-        counts_given = num_samples is not None or num_tokens is not None
-        if counts_given and parameters is not None:
-            raise ValueError(
-                "begin() got counts and parameters; pass counts to count first "
-                "(begin(num_tokens=[...])), or parameters to scale after "
-                "(begin(parameters=model.parameters())), not both"
-            )
-        if not counts_given and parameters is None:
-            raise ValueError(
-                f"begin() got neither counts nor parameters; pass this rank's counts to count "
-                f"first (begin(num_{self.weight_by}=[one count per microbatch])), or the "
-                "parameters whose gradients end() rescales to scale after "
-                "(begin(parameters=model.parameters()))"
-            )
-        if counts_given:
-            counts = self._checked_step_counts(num_samples, num_tokens)
+        given = {"num_samples": num_samples, "num_tokens": num_tokens}
+        counted = num_samples is not None or num_tokens is not None
+        machine.idle(self.state, "begin")
+        if counted and parameters is not None:
+            raise error("counts_and_parameters")
+        if not counted and parameters is None:
+            raise error("neither", weight_by=self.weight_by)
+        if counted:
+            counts = self._step_counts(given)
         else:
-            params = parameter_list(parameters)
+            params = validate.parameter_list(parameters)
         collective = self._resolver.resolve()
-        settings = self._settings(collective)
+        self._divisor = self.options.divisor(collective.world_size)
         self._settle()
-        index = self._steps + 1
-        step: CountFirstStep | ScaleAfterStep
-        if counts_given:
-            carried = self._pending[1] if self._pending is not None else None
-            step = CountFirstStep(index, settings, collective, counts, carried)
-            self._carry_pending(step.reduction)
-            self._unsettled.append(step.reduction)
+        declared = len(counts[self.weight_by]) if counted else 0
+        state = machine.begin(self.state, counted, declared)
+        tensors: CountFirst | ScaleAfter
+        if counted:
+            codes = self._codes(state.steps, terms.COUNT_FIRST_BEGIN)
+            carried = self._pending.loss_sum if self._pending is not None else None
+            tensors = CountFirst(collective, self.layout, codes, counts, self._divisor, carried)
+            self._carry(tensors.reduction)
         else:
-            step = ScaleAfterStep(index, settings, params, self._estimate)
-        self._steps, self._step, self._collective = index, step, collective
-        return StepContext(self, index)
+            tensors = ScaleAfter(params, self._estimate, self._divisor)
+        self.state, self._tensors, self._collective = state, tensors, collective
+        return StepContext(self, state.steps)
 
     def scale_loss(
         self,
@@ -256,288 +177,242 @@ class Accumulator:
     ) -> torch.Tensor:
         """``loss`` times the next microbatch's factor, ready for ``backward()``.
 
-        ``loss`` is this microbatch's loss: a 0-dim floating-point tensor, the mean or the sum
-        (per ``loss_reduction``) of its items' losses. In a scale-after step, also pass its
-        counts (an int or a 0-dim integer tensor each; the one named by ``weight_by`` is
-        required). A microbatch of weight 0 contributes exactly nothing: its loss is replaced
-        by 0 (value and gradient), so the NaN of a mean over zero items reaches neither the
-        logged loss nor the gradients through here. A copy of its detached value is kept for
-        ``StepResult.loss``. Every microbatch of a step goes through here.
+        ``loss`` is the microbatch's loss, a 0-dim floating-point tensor (its items' mean or
+        sum, per ``loss_reduction``). In a scale-after step, also pass its counts (an int or a
+        0-dim integer tensor each). A microbatch of weight 0 contributes exactly nothing: its
+        loss (a NaN of 0/0 included) reaches neither the gradients nor the logged loss.
         """
-        check_loss(loss)
-        step = self._open_step("scale_loss")
-        if isinstance(step, CountFirstStep):
-            if num_samples is not None or num_tokens is not None:
-                raise ValueError(
-                    f"scale_loss() got counts, but begin() declared the counts of step "
-                    f"{step.index} already; call scale_loss() without them, or begin() with "
-                    "parameters instead of counts to give them here"
-                )
-            return step.scale_loss(loss)
-        weight_name = f"num_{self.weight_by}"
-        given = {"num_samples": num_samples, "num_tokens": num_tokens}
-        if given[weight_name] is None:
-            raise ValueError(
-                f"scale_loss() got {weight_name}=None in a scale-after step (begin() had no "
-                f"counts); pass {weight_name}=<this microbatch's count>, or declare all counts "
-                "in begin()"
-            )
-        counts = tuple(
-            None if given[name] is None else microbatch_count(name, given[name])
-            for name in COUNT_NAMES
-        )
-        return step.scale_loss(loss, counts)  # type: ignore[arg-type]
+        validate.loss(loss)
+        given = (num_samples is not None, num_tokens is not None)
+        tensors = self._tensors
+        if not isinstance(tensors, ScaleAfter):  # count first, or no step (the machine says)
+            if _torch.is_compiling() and tensors is not None and not any(given):
+                machine.trace(self.state)
+                return tensors.scale_traced(loss, self.loss_reduction)
+            state, index = machine.scale(self.state, given, self._traced)
+            assert tensors is not None
+            scaled = tensors.scale(loss, index, self.loss_reduction, state.steps)
+        else:
+            counts = {"samples": num_samples, "tokens": num_tokens}
+            checked = {
+                n: None if c is None else validate.microbatch_count(f"num_{n}", c)
+                for n, c in counts.items()
+            }
+            state, _ = machine.scale(self.state, given, traced=False)
+            scaled = tensors.scale(loss, checked, self.weight_by, self.loss_reduction)
+        self.state = state
+        return scaled
 
     def backward_scale(self, microbatch: int | None = None) -> torch.Tensor:
-        """The factor of a microbatch of this count-first step, without taking it.
+        """The factor of a count-first step's microbatch: ``w * D / W`` for mean losses,
+        ``D / W`` for summed ones (0 for a mean loss of weight 0), a 0-dim float64 tensor.
 
-        ``microbatch`` is its index among the counts given to ``begin()`` (from 0); by default,
-        the microbatch the next :meth:`scale_loss` will take. Reading a factor does not move
-        the step on, however often it is read. It is ``w * D / W`` for mean losses and
-        ``D / W`` for summed ones (0 for a mean loss of weight 0, and for every microbatch of
-        an empty step with mean losses; with summed losses an empty step's factor is ``D``,
-        which multiplies a loss of 0): a 0-dim float64 tensor on the device the counts are
-        reduced on. The first read waits for the count reduction. A scale-after step's factors
-        are provisional until ``end()``, so it has none to read.
+        ``backward_scale(i)`` gives microbatch ``i`` its factor: a loop that back-propagates
+        ``loss * acc.backward_scale(i)`` itself takes the microbatch this way, and hands its
+        detached loss over with :meth:`record_loss` for the logged loss. ``backward_scale()``
+        reads the factor the next :meth:`scale_loss` will apply, taking nothing. Reading a
+        factor again changes nothing; the first read waits for the count reduction.
         """
-        step = self._open_step("backward_scale")
-        if isinstance(step, ScaleAfterStep):
-            raise RuntimeError(
-                f"backward_scale() was called in step {step.index}, which scales after: its "
-                "factors are provisional until end() learns the global count; pass each loss "
-                "to scale_loss(), or give every count to begin() to count first"
-            )
-        return step.backward_scale(microbatch)
+        self.state, index = machine.factor(self.state, microbatch, self._traced)
+        tensors = self._count_first
+        if index is None:  # the next microbatch of a compiled step: its position is a tensor
+            index = int(tensors.cursor) if tensors.cursor is not None else 0
+            if index >= tensors.size:
+                raise error("no_next", declared=tensors.size, step=self.state.steps)
+        return tensors.factors(self.loss_reduction)[index]
+
+    def record_loss(self, microbatch: int, loss: torch.Tensor) -> None:
+        """Hand over the loss of microbatch ``microbatch``, back-propagated with
+        ``backward_scale(microbatch)``, so that ``StepResult.loss`` covers it: the loss as
+        given to the factor (the mean or the sum of its items' losses), copied detached."""
+        validate.loss(loss)
+        self.state, index = machine.record(self.state, microbatch)
+        self._count_first.record(index, loss)
 
     def end(self) -> StepResult:
         """Close the step and return what it reports (see :class:`StepResult`).
 
         Call it on every rank after the step's last backward, before gradient clipping and
-        ``optimizer.step()``. A count-first step's gradients are final already; with
-        ``loss_logging="end"`` it starts one all-reduce of the loss. A scale-after step's one
-        all-reduce sums the counts and the loss sums, then every gradient of the parameters
-        given to ``begin()`` is multiplied by the correcting factor, in one pass per device
-        and dtype, on the device (FSDP2's sharded gradients shard by shard). If ``end()``
-        raises, calling it again issues no second all-reduce.
+        ``optimizer.step()``. A count-first step's gradients are final already; a scale-after
+        step's one all-reduce sums its counts and losses, then every gradient of the parameters
+        given to ``begin()`` is multiplied by the correcting factor, once, on its device. If
+        ``end()`` raises, calling it again issues no second all-reduce.
         """
-        step = self._open_step("end")
-        if isinstance(step, CountFirstStep):
-            loss_sum = step.loss_sum()
-            if self.loss_logging == "end":
-                self._settle()
-                assert self._collective is not None
-                codes = step.settings.codes(step.index, COUNT_FIRST_END)
-                loss_reduction = start_reduction(
-                    self._collective, codes, step.reduction.device, own_loss=loss_sum
-                )
-                self._unsettled.append(loss_reduction)
-                result = StepResult(
-                    step.index,
-                    step.reduction,
-                    step.settings.weight_kind,
-                    (loss_reduction, OWN_LOSS),
-                )
-            else:
-                result = StepResult(step.index, step.reduction, step.settings.weight_kind, None)
-                self._pending = (result, loss_sum)
-            counts = step.reduction
+        state, step = machine.end(self.state, self._traced), self.state.step
+        tensors = self._tensors
+        assert step is not None and tensors is not None and self._collective is not None
+        if isinstance(tensors, CountFirst):
+            result = self._end_count_first(state, step, tensors)
         else:
-            assert self._collective is not None
             self._settle()
-            carried = self._pending[1] if self._pending is not None else None
-            counts = step.finish(self._collective, carried)
-            self._carry_pending(counts)
-            result = StepResult(step.index, counts, step.settings.weight_kind, (counts, OWN_LOSS))
-        self._estimate = counts.total(step.settings.weight_kind)
-        self._step = None
+            codes = self._codes(step.index, terms.SCALE_AFTER_END)
+            carried = self._pending.loss_sum if self._pending is not None else None
+            reduction = tensors.finish(
+                self._collective, self.layout, codes, step.given, self.loss_reduction, carried
+            )
+            self._carry(reduction)
+            result = StepResult(step.index, reduction, reduction, [])
+        self._estimate = result._counts.total(self.weight_by)
+        self.state, self._tensors = state, None
         return result
 
     def abandon(self) -> None:
-        """Drop the open step, if any, and keep the Accumulator for the next one.
+        """Drop the open step, if any, on every rank, keeping the Accumulator for the next.
 
-        For a step that failed half-way (an out-of-memory microbatch, say). Every rank must
-        abandon the same step, as every rank ends the same steps; a rank that abandons alone
-        makes the next reduction fail with a :class:`DisagreementError` on every rank. The
-        gradients are left as they are: call ``optimizer.zero_grad()`` before the next step.
-        The step keeps its index, so the next one is counted after it on every rank. A
-        count-first step's reduction, which every rank started in ``begin()``, is waited for
-        here, so that none is left in flight.
+        The gradients are left as they are: call ``optimizer.zero_grad()`` before the next
+        step. A count-first step's reduction is waited for here, so none is left in flight.
         """
-        step, self._step = self._step, None
-        if isinstance(step, CountFirstStep):
-            step.reduction.wait()
+        tensors, self._tensors = self._tensors, None
+        self.state = machine.abandon(self.state)
+        if isinstance(tensors, CountFirst):
+            tensors.reduction.wait()
 
     def flush(self) -> None:
-        """Reduce the loss that ``loss_logging="next_step"`` left waiting, if any.
-
-        The last count-first step of a run has no next step to carry its loss: call this on
-        every rank, after its ``end()``, to read it. It issues one all-reduce when a loss is
-        waiting (the same on every rank) and nothing otherwise, and waits for it (on an
-        accelerator, a stream dependency), so that the run may destroy its process group
-        right after.
-        """
-        if self._step is not None:
-            raise RuntimeError(
-                f"flush() was called while step {self._step.index} is open; call it after "
-                "end() or abandon()"
-            )
-        if self._pending is None:
-            return
-        collective = self._resolver.resolve()
-        settings = self._settings(collective)
-        self._settle()
-        _, loss_sum = self._pending
-        reduction = start_reduction(
-            collective,
-            settings.codes(self._steps, FLUSH),
-            collective.device,
-            previous_loss=loss_sum,
-        )
-        self._carry_pending(reduction)
-        self._unsettled.append(reduction)
-        # Nothing left in flight: the run may end right after. Waited on once the reduction
-        # is recorded, so that a wait that fails is retried by the next read, never by a
-        # second all-reduce.
-        reduction.wait()
+        """Reduce the loss ``loss_logging="next_step"`` left waiting, if any, on every rank
+        after the last step: one all-reduce when a loss waits, waited for before returning."""
+        state, waits = machine.flush(self.state)
+        if waits and self._pending is not None:
+            collective = self._resolver.resolve()
+            self._divisor = self.options.divisor(collective.world_size)
+            self._settle()
+            codes = self._codes(state.steps, terms.FLUSH)
+            reduction = self._start_loss(collective, codes, collective.device, previous=True)
+            self.state = state
+            # Waited on once recorded: a wait that fails is retried, never a second all-reduce.
+            reduction.wait()
+        self.state = state
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs to continue with the factors of an uninterrupted one.
-
-        A plain dict (ints, floats, strings), loadable with ``torch.load(weights_only=True)``:
-        the step counter, the estimate of ``W`` that the next scale-after step assumes, and the
-        options. No process group: the world is found again when the next step begins, so the
-        state may be loaded at another world size. A loss still waiting for
-        ``loss_logging="next_step"`` is not saved: call :meth:`flush` first to log it.
-        Reading the estimate waits for the last step's reduction.
-        """
-        if self._step is not None:
-            raise RuntimeError(
-                f"state_dict() was called while step {self._step.index} is open; save the "
-                "state between end() and the next begin()"
-            )
+        """The step counter, the estimate of ``W`` the next scale-after step assumes, and the
+        options, as plain values (``torch.load(weights_only=True)`` loads them). No process
+        group: the state may be loaded at another world size. Call :meth:`flush` first to log
+        a waiting loss; reading the estimate waits for the last step's reduction."""
+        machine.idle(self.state, "state_dict")
         estimate = self._estimate
         return {
             "format": _STATE_FORMAT,
-            "steps": self._steps,
+            "steps": self.state.steps,
             "weight_estimate": estimate if isinstance(estimate, float) else estimate.item(),
-            "options": dict(self._options),
+            "options": {name: getattr(self.options, name) for name in terms.OPTIONS},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from ``state_dict()``'s value, which must come from an Accumulator of the
-        same ``weight_by``, ``loss_reduction``, ``grad_reduction`` and ``loss_logging``."""
-        if self._step is not None:
-            raise RuntimeError(
-                f"load_state_dict() was called while step {self._step.index} is open; load "
-                "the state before the first begin(), or between steps"
-            )
-        expected = {"format", "steps", "weight_estimate", "options"}
-        if not isinstance(state_dict, dict) or set(state_dict) != expected:
-            keys = sorted(state_dict) if isinstance(state_dict, dict) else state_dict
-            raise ValueError(
-                f"state_dict has {keys!r}, not the keys {sorted(expected)} of "
-                "Accumulator.state_dict(); pass the value it returned"
-            )
-        if state_dict["format"] != _STATE_FORMAT:
-            raise ValueError(
-                f"state_dict has format {state_dict['format']!r}, but this version of "
-                f"lossweight reads format {_STATE_FORMAT}"
-            )
-        options = state_dict["options"]
-        if not isinstance(options, dict):
-            raise ValueError(
-                f"state_dict has options={options!r}, not a dict of the Accumulator's options; "
-                "pass the value state_dict() returned"
-            )
-        for name in _OPTIONS:
-            if options.get(name) != self._options[name]:
-                raise ValueError(
-                    f"state_dict was saved with {name}={options.get(name)!r}, but this "
-                    f"Accumulator has {name}={self._options[name]!r}; construct it with the "
-                    f"options of the run it continues"
-                )
-        steps, estimate = state_dict["steps"], state_dict["weight_estimate"]
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"state_dict has steps={steps!r}; it must be an int, 0 or more")
-        is_number = isinstance(estimate, (int, float)) and not isinstance(estimate, bool)
-        if not is_number or not math.isfinite(estimate) or estimate < 0:
-            raise ValueError(
-                f"state_dict has weight_estimate={estimate!r}; it must be a finite number, 0 "
-                "or more"
-            )
-        self._steps, self._estimate = steps, float(estimate)
-        self._pending = None
+        """Continue from ``state_dict()``'s value, saved with the same options."""
+        machine.idle(self.state, "load_state_dict")
+        steps, estimate = _checked_state(state_dict, self.options)
+        self.state, self._estimate, self._pending = machine.load(self.state, steps), estimate, None
 
     def __getstate__(self) -> dict[str, Any]:
         if self._resolver.explicit:
-            raise TypeError(
-                "an Accumulator given a group or a collective cannot be pickled, since a process "
-                "group cannot; save acc.state_dict() and load it into a new Accumulator with "
-                "load_state_dict()"
-            )
-        options = {**self._options, "weight_estimate": self._initial_estimate}
+            raise error("not_picklable")
+        options = {name: getattr(self.options, name) for name in self.options.__dataclass_fields__}
         return {"options": options, "state": self.state_dict()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state["options"])  # type: ignore[misc]
         self.load_state_dict(state["state"])
 
-    def _settings(self, collective: Collective) -> Settings:
-        # A framework that divides the loss by N before the backward divides the gradient by N
-        # as the wrapper divides it by D: the factors undo both.
-        divisor = weighting.gradient_divisor(self.grad_reduction, collective.world_size) * float(
-            self._options["framework_divides_loss_by"]
-        )
-        if self._last_settings is None or self._last_settings.divisor != divisor:
-            self._last_settings = Settings(
-                self.weight_by, self.loss_reduction, self.loss_logging, divisor
-            )
-        return self._last_settings
+    @property
+    def _traced(self) -> bool:
+        """Whether the open step's scale_loss() runs compiled (counting on the device)."""
+        return isinstance(self._tensors, CountFirst) and self._tensors.cursor is not None
 
-    def _checked_step_counts(
-        self, num_samples: Counts | None, num_tokens: Counts | None
-    ) -> list[list[int] | torch.Tensor | None]:
-        weight_name = f"num_{self.weight_by}"
-        given = {"num_samples": num_samples, "num_tokens": num_tokens}
-        if given[weight_name] is None:
-            raise ValueError(
-                f"{weight_name}=None, but weight_by={self.weight_by!r} weights each microbatch "
-                f"by it; pass {weight_name}=[one count per microbatch], or parameters instead "
-                "of counts to give them with each loss"
-            )
-        counts = [None if given[n] is None else step_counts(n, given[n]) for n in COUNT_NAMES]
-        if counts[0] is not None and counts[1] is not None and len(counts[0]) != len(counts[1]):
-            raise ValueError(
-                f"num_samples has {len(counts[0])} counts but num_tokens has "
-                f"{len(counts[1])}; give both one count per microbatch"
-            )
+    @property
+    def _count_first(self) -> CountFirst:
+        assert isinstance(self._tensors, CountFirst)
+        return self._tensors
+
+    def _codes(self, step: int, call: int) -> tuple[int, ...]:
+        return self.options.codes(step, call, self._divisor)
+
+    def _end_count_first(
+        self, state: machine.State, step: machine.Step, tensors: CountFirst
+    ) -> StepResult:
+        unrecorded = step.unrecorded
+        loss_sum = tensors.loss_sum(self.loss_reduction, known=not unrecorded)
+        if self.loss_logging == "next_step":
+            self._pending = PendingLoss(loss_sum)
+            return StepResult(step.index, tensors.reduction, self._pending, unrecorded)
+        assert self._collective is not None
+        self._settle()
+        codes = self._codes(step.index, terms.COUNT_FIRST_END)
+        device = tensors.reduction.device
+        reduction = self._start_loss(self._collective, codes, device, own=loss_sum)
+        return StepResult(step.index, tensors.reduction, reduction, unrecorded)
+
+    def _start_loss(
+        self,
+        collective: Collective,
+        codes: tuple[int, ...],
+        device: torch.device,
+        own: torch.Tensor | None = None,
+        previous: bool = False,
+    ) -> Reduction:
+        """A reduction of loss sums alone: a count-first step's own, or the waiting one."""
+        carried = self._pending.loss_sum if previous and self._pending is not None else None
+        losses = {("loss", False): own, ("loss", True): carried}
+        flags = {name: (False, False) for name in self.layout.reported}
+        reduction = payload.start(collective, self.layout, codes, device, {}, flags, losses)
+        if previous:
+            self._carry(reduction)
+        else:
+            self._unsettled.append(reduction)
+        return reduction
+
+    def _step_counts(self, given: dict[str, Counts | None]) -> dict[str, Any]:
+        name = f"num_{self.weight_by}"
+        if given[name] is None:
+            raise error("weight_missing", name=name, weight_by=self.weight_by)
+        counts = {
+            n[4:]: None if c is None else validate.step_counts(n, c) for n, c in given.items()
+        }
+        samples, tokens = counts["samples"], counts["tokens"]
+        if samples is not None and tokens is not None and len(samples) != len(tokens):
+            raise error("lengths_differ", samples=len(samples), tokens=len(tokens))
         return counts
 
     def _settle(self) -> None:
-        """Wait for and check every reduction started so far, before a new one starts, so
-        that a disagreement surfaces at the reduction that paired it."""
-        while self._unsettled:
-            reduction = self._unsettled.pop()
-            if not reduction.failed:  # an error already raised is not raised again
-                reduction.result()
+        """Check every reduction started so far before a new one starts, so that a
+        disagreement surfaces at the reduction that paired it (on an accelerator, at the first
+        call after its verdict reached the host)."""
+        unsettled, self._unsettled = self._unsettled, []
+        for index, reduction in enumerate(unsettled):
+            try:
+                if not reduction.settle():
+                    self._unsettled.append(reduction)
+            except BaseException:
+                self._unsettled.extend(unsettled[index + 1 :])
+                raise
 
-    def _carry_pending(self, reduction: Reduction) -> None:
+    def _carry(self, reduction: Reduction) -> None:
+        """``reduction`` carries the loss that waited, and is checked with the next call."""
         if self._pending is not None:
-            self._pending[0]._carried_by(reduction, PREVIOUS_LOSS)
+            self._pending.reduction = reduction
             self._pending = None
+        self._unsettled.append(reduction)
 
-    def _open_step(self, caller: str) -> CountFirstStep | ScaleAfterStep:
-        if self._step is None:
-            when = (
-                "before the first begin()"
-                if self._steps == 0
-                else f"after step {self._steps} was closed"
-            )
-            raise RuntimeError(
-                f"{caller}() was called {when}; call begin(num_{self.weight_by}=[...]) or "
-                "begin(parameters=...) to open a step first"
-            )
-        return self._step
+
+def _checked_state(state_dict: object, options: terms.Options) -> tuple[int, float]:
+    expected = {"format", "steps", "weight_estimate", "options"}
+    if not isinstance(state_dict, dict) or set(state_dict) != expected:
+        keys = sorted(state_dict) if isinstance(state_dict, dict) else state_dict
+        raise error("state_keys", keys=keys, expected=sorted(expected))
+    if state_dict["format"] != _STATE_FORMAT:
+        raise error("state_format", value=state_dict["format"], format=_STATE_FORMAT)
+    saved = state_dict["options"]
+    if not isinstance(saved, dict):
+        raise error("state_options", value=saved)
+    for name in terms.OPTIONS:
+        if saved.get(name) != getattr(options, name):
+            value = getattr(options, name)
+            raise error("state_option", name=name, saved=saved.get(name), value=value)
+    steps, estimate = state_dict["steps"], state_dict["weight_estimate"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise error("state_steps", value=steps)
+    is_number = isinstance(estimate, (int, float)) and not isinstance(estimate, bool)
+    if not is_number or not math.isfinite(estimate) or estimate < 0:
+        raise error("state_estimate", value=estimate)
+    return steps, float(estimate)
 
 
 class StepContext:
@@ -557,6 +432,6 @@ class StepContext:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        step = self._accumulator._step
+        step = self._accumulator.state.step
         if exc_type is not None and step is not None and step.index == self.index:
             self._accumulator.abandon()

@@ -13,7 +13,7 @@ import argparse
 import pytest
 
 from benchmarks.step_cost import run_ranks
-from lossweight._payload import LENGTH
+from lossweight.terms import Layout, Options
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,8 @@ def counts() -> dict:
 
 
 def test_lossweight_issues_its_collectives_and_no_host_sync_per_step(counts: dict) -> None:
-    payload = LENGTH * 8  # float64: agreement codes, count limbs, loss sums
+    # float64: agreement codes, count limbs, loss sums
+    payload = Layout(Options("sum").terms).length * 8
     for name, reductions in [
         ("lossweight count-first", 1),  # the loss rides on the next step's counts
         ("lossweight count-first, loss in end()", 2),

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from lossweight import Accumulator, DisagreementError, _payload
+from lossweight import Accumulator, DisagreementError, _torch
 
 Microbatch = Callable[[torch.Tensor], torch.Tensor]
 
@@ -57,7 +57,7 @@ def test_compiling_scale_loss_is_refused_where_graphs_drop_asserts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # As on torch < 2.9 (inductor removed _assert_async) or ROCm (device asserts compiled out).
-    monkeypatch.setattr(_payload, "_GRAPH_ASSERTS", False)
+    monkeypatch.setattr(_torch, "GRAPH_ASSERTS", False)
     acc = Accumulator(loss_reduction="sum")
     microbatch, _ = compiled(acc)
     acc.begin(num_tokens=[3])

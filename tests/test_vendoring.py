@@ -13,12 +13,16 @@ import lossweight
 PACKAGE = Path(lossweight.__file__).parent
 ACCUMULATOR_FILES = [
     "weighting.py",
-    "accumulator.py",
-    "_steps.py",
-    "_payload.py",
-    "_checks.py",
+    "terms.py",
+    "machine.py",
+    "errors.py",
+    "_torch.py",
+    "payload.py",
     "collectives.py",
+    "validate.py",
+    "steps.py",
     "result.py",
+    "accumulator.py",
 ]
 
 

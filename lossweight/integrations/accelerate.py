@@ -54,9 +54,10 @@ import torch.distributed as dist
 from accelerate import Accelerator  # type: ignore[import-untyped]  # ships no py.typed
 from accelerate.utils import DistributedType  # type: ignore[import-untyped]
 
-from .._checks import Count, Counts
 from ..accumulator import Accumulator, StepContext
+from ..machine import COUNT_FIRST
 from ..result import StepResult
+from ..validate import Count, Counts
 from ..weighting import GradReduction, LossReduction
 
 __all__ = ["AcceleratorAccumulator"]
@@ -105,8 +106,6 @@ class AcceleratorAccumulator:
             framework_divides_loss_by=self.gradient_accumulation_steps,
         )
         self.result: StepResult | None = None
-        self._declared: int | None = None  # microbatches of the open count-first step
-        self._scaled = 0
 
     @property
     def step_open(self) -> bool:
@@ -119,10 +118,7 @@ class AcceleratorAccumulator:
         """Begin a count-first step: this rank's counts, one per microbatch it will run in it
         (normally ``gradient_accumulation_steps`` of them, fewer at the end of the data)."""
         self._check_world()
-        context = self.accumulator.begin(num_samples=num_samples, num_tokens=num_tokens)
-        counts = num_tokens if self.accumulator.weight_by == "tokens" else num_samples
-        self._declared, self._scaled = len(counts), 0  # type: ignore[arg-type]
-        return context
+        return self.accumulator.begin(num_samples=num_samples, num_tokens=num_tokens)
 
     @contextlib.contextmanager
     def accumulate(self, model: torch.nn.Module | None = None) -> Iterator[None]:
@@ -133,11 +129,12 @@ class AcceleratorAccumulator:
         otherwise it is ``accelerator.accumulate(model)``.
         """
         model = self._model(model)
-        if self._declared is None:
+        step = self.accumulator.state.step  # the step machine's state: read, never copied
+        if step is None or step.mode != COUNT_FIRST:
             with self.accelerator.accumulate(model):
                 yield
             return
-        last = self._scaled == self._declared - 1
+        last = step.scaled == step.declared - 1
         self.accelerator.sync_gradients = last
         with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
             yield
@@ -161,9 +158,7 @@ class AcceleratorAccumulator:
                     "give the step's counts to begin() before its first microbatch"
                 )
             self.accumulator.begin(parameters=self._model(None).parameters())
-        scaled = self.accumulator.scale_loss(loss, num_samples=num_samples, num_tokens=num_tokens)
-        self._scaled += 1
-        return scaled
+        return self.accumulator.scale_loss(loss, num_samples=num_samples, num_tokens=num_tokens)
 
     def end_if_sync(self) -> StepResult | None:
         """End the step if ``accelerator.sync_gradients`` is true (the step's last microbatch):
@@ -172,13 +167,11 @@ class AcceleratorAccumulator:
         if not self.accelerator.sync_gradients or not self.accumulator.step_open:
             return None
         self.result = self.accumulator.end()
-        self._declared = None
         return self.result
 
     def abandon(self) -> None:
         """Drop the open step (on every rank), as :meth:`lossweight.Accumulator.abandon`."""
         self.accumulator.abandon()
-        self._declared = None
 
     def flush(self) -> None:
         """Reduce the last step's loss that ``loss_logging="next_step"`` left waiting (on every

@@ -100,7 +100,6 @@ class LossweightTrainer(Trainer):
         self._divides = divides
         self.last_result: StepResult | None = None
         self._shifts_labels = _loss_shifts_labels(self)
-        self._microbatches_left = 0
         self._in_training_step = False
         self._tally = _Tally()
 
@@ -116,7 +115,6 @@ class LossweightTrainer(Trainer):
             self.accumulator.abandon()
         if batches:  # every rank fetches as many batches as the others
             self.accumulator.begin(**self._counts(batches))
-        self._microbatches_left = len(batches)
         return batches, None
 
     def training_step(
@@ -138,8 +136,8 @@ class LossweightTrainer(Trainer):
             scaled = super().training_step(model, inputs, None)
         finally:
             self._in_training_step = False
-        self._microbatches_left -= 1
-        if self._microbatches_left == 0:
+        step = self.accumulator.state.step  # the step machine's state: read, never copied
+        if step is not None and step.scaled == step.declared:
             self.last_result = self.accumulator.end()
             self._tally.add(self.last_result)
         # The factor carries what accelerator.backward() divides by; the running loss must not.

@@ -40,9 +40,9 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 
-from .._checks import Count
 from ..accumulator import Accumulator
 from ..result import StepResult
+from ..validate import Count
 from ..weighting import GradReduction, LossReduction
 
 __all__ = ["LossweightCallback"]
