@@ -1,74 +1,77 @@
 """The Accumulator: a thin front over the step machine and the tensors of each mode.
 
-Each public call checks its inputs (:mod:`lossweight.validate`), applies a transition of the
-pure step machine (:mod:`lossweight.machine`), then runs its effects: it starts a reduction,
-scales a loss or rescales the gradients (:mod:`lossweight.steps`), or builds a
-:class:`~lossweight.StepResult`.
+Each public call checks its inputs here, at the boundary, applies a transition of the pure step
+machine (:mod:`lossweight.machine`), then runs its effects: it starts a reduction, scales a loss
+or rescales the gradients (:mod:`lossweight.steps`), or builds a :class:`StepResult`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import numbers
+from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from . import _torch, machine, payload, terms, validate
+from . import _torch, machine, payload, terms
 from .collectives import Collective, CollectiveResolver
-from .errors import error
-from .payload import Reduction
+from .errors import device_message, error
 from .result import PendingLoss, StepResult
-from .steps import CountFirst, ScaleAfter
-from .validate import Count, Counts
+from .steps import CountFirst, ScaleAfter, accelerator_of
 from .weighting import GradReduction, LossReduction
 
 WeightBy = Literal["samples", "tokens"]
 LossLogging = Literal["end", "next_step"]
+Count = int | torch.Tensor
+Counts = torch.Tensor | Sequence[Count]
 _STATE_FORMAT = 1
+T = TypeVar("T")
+
+
+class _Option(Generic[T]):
+    """An option of the Accumulator, read from its frozen ``options``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, accumulator: Accumulator, owner: type) -> T:
+        return getattr(accumulator.options, self.name)  # type: ignore[no-any-return]
 
 
 class Accumulator:
     """Weights each microbatch's loss so that an optimizer step optimises the global mean.
 
-    One step, on every data-parallel rank, counting first (the counts come from the batch)::
+    Count first (the counts come from the batch), or scale after (``begin(parameters=...)``,
+    each microbatch's count given to ``scale_loss()``, and ``end()`` rescales the gradients)::
 
         acc.begin(num_tokens=[...])         # this rank's count per microbatch
         for batch in microbatches:
             acc.scale_loss(loss_of(batch)).backward()
         result = acc.end()                  # result.loss, .num_tokens, .is_empty
 
-    or scaling after (the counts are known only as the microbatches come)::
-
-        acc.begin(parameters=model.parameters())
-        for batch in microbatches:
-            acc.scale_loss(loss_of(batch), num_tokens=count_of(batch)).backward()
-        result = acc.end()                  # rescales the gradients once
-
-    The step's gradient, once the data-parallel wrapper has combined the ranks, is that of
-    ``sum(w * l) / W`` (mean losses) or ``sum(l) / W`` (summed losses) over every microbatch of
-    every rank, ``w`` a microbatch's count and ``W`` the global count: the same however the
-    step is split. Every rank calls ``begin()``, ``end()``, ``abandon()`` and ``flush()`` for
-    the same steps; ranks that disagree get a :class:`DisagreementError`, never wrong numbers.
-    Not thread-safe, like an optimizer. docs/usage.md explains each argument at length.
+    The step's gradient is that of ``sum(w * l) / W`` (mean losses) or ``sum(l) / W`` (sums)
+    over every microbatch of every rank, however the step is split. Every rank makes the same
+    calls of ``begin()``, ``end()``, ``abandon()`` and ``flush()``; ranks that disagree get a
+    :class:`DisagreementError`. Not thread-safe, like an optimizer.
 
     Args:
-        loss_reduction: whether each loss you pass is the ``"mean"`` or the ``"sum"`` of its
-            items' losses (required).
+        loss_reduction: whether each loss is the ``"mean"`` or the ``"sum"`` of its items'.
         weight_by: which count weights a microbatch: ``"tokens"`` or ``"samples"``.
         grad_reduction: how the data-parallel wrapper combines the ranks' gradients:
             ``"mean"`` (DDP, FSDP), ``"sum"``, or the number it divides their sum by.
-        group: the data-parallel process group (default: the default group, looked up at each
-            ``begin()``; a single process without torch.distributed).
+        group: the data-parallel process group (default: the default group, at each begin()).
         collective: a :class:`Collective` to reduce with instead of a process group.
-        loss_logging: ``"end"`` (``end()`` reduces a count-first step's loss, one more
-            all-reduce) or ``"next_step"`` (it travels with the next reduction).
-        weight_estimate: the global weight the first scale-after step's provisional factors
-            assume (later ones assume the previous step's).
-        framework_divides_loss_by: what a training framework divides each loss by before its
-            backward (Accelerate, Lightning: the accumulation steps); the factors undo it.
+        loss_logging: ``"end"`` (``end()`` reduces a count-first step's loss: one more
+            all-reduce) or ``"next_step"`` (it travels with the next reduction, or ``flush()``).
+        weight_estimate: the ``W`` the first scale-after step's provisional factors assume.
+        framework_divides_loss_by: what a framework divides each loss by before its backward
+            (Accelerate, Lightning: the accumulation steps); the factors undo it.
+
+    Attributes:
+        state: the step machine's :class:`lossweight.machine.State`, a frozen value.
     """
 
     def __init__(
@@ -90,30 +93,17 @@ class Accumulator:
             framework_divides_loss_by,
         )  # fmt: skip
         self.layout = terms.Layout(self.options.terms)
-        self._resolver = CollectiveResolver(group, collective)
         self.state = machine.State(weight_by, loss_logging)
-        self._estimate: float | torch.Tensor = float(weight_estimate)
+        self._resolver = CollectiveResolver(group, collective)
+        self._estimate: float | torch.Tensor | payload.Reduction = float(weight_estimate)
         self._tensors: CountFirst | ScaleAfter | None = None
         self._collective: Collective | None = None
-        self._divisor = 1.0
-        self._unsettled: list[Reduction] = []
-        self._pending: PendingLoss | None = None
+        self._flight = _InFlight()
 
-    @property
-    def weight_by(self) -> WeightBy:
-        return self.options.weight_by  # type: ignore[return-value]
-
-    @property
-    def loss_reduction(self) -> LossReduction:
-        return self.options.loss_reduction  # type: ignore[return-value]
-
-    @property
-    def grad_reduction(self) -> GradReduction | float:
-        return self.options.grad_reduction  # type: ignore[return-value]
-
-    @property
-    def loss_logging(self) -> LossLogging:
-        return self.options.loss_logging  # type: ignore[return-value]
+    weight_by: _Option[WeightBy] = _Option()
+    loss_reduction: _Option[LossReduction] = _Option()
+    grad_reduction: _Option[GradReduction | float] = _Option()
+    loss_logging: _Option[LossLogging] = _Option()
 
     @property
     def step_open(self) -> bool:
@@ -132,39 +122,26 @@ class Accumulator:
         num_tokens: Counts | None = None,
         parameters: Iterable[Any] | None = None,
     ) -> StepContext:
-        """Open an optimizer step; every rank calls it.
-
-        Count first: this rank's counts, one per microbatch it will run (none is fine), as a
-        1-D integer tensor or a sequence of ints or 0-dim integer tensors; the ``weight_by``
-        count is required, the other only reported. One all-reduce starts here and overlaps
-        whatever runs until the first factor is needed. Scale after: the ``parameters`` whose
-        gradients ``end()`` rescales; their gradients must be None or zero now. Returns a
-        context manager that abandons the step if an exception leaves its block.
-        """
-        given = {"num_samples": num_samples, "num_tokens": num_tokens}
-        counted = num_samples is not None or num_tokens is not None
-        machine.idle(self.state, "begin")
-        if counted and parameters is not None:
-            raise error("counts_and_parameters")
-        if not counted and parameters is None:
-            raise error("neither", weight_by=self.weight_by)
-        if counted:
-            counts = self._step_counts(given)
-        else:
-            params = validate.parameter_list(parameters)
+        """Open a step on every rank. Count first: this rank's counts, one per microbatch (a
+        1-D integer tensor or a sequence of ints or 0-dim tensors; the ``weight_by`` one is
+        required); its all-reduce starts here. Scale after: the ``parameters`` whose gradients
+        ``end()`` rescales (None or zero now). ``with acc.begin(...):`` abandons on an error."""
+        counts, params = _opening(num_samples, num_tokens, parameters, self.weight_by)
+        declared = len(counts[self.weight_by]) if counts is not None else 0
+        state = machine.begin(self.state, counts is not None, declared)
         collective = self._resolver.resolve()
-        self._divisor = self.options.divisor(collective.world_size)
-        self._settle()
-        declared = len(counts[self.weight_by]) if counted else 0
-        state = machine.begin(self.state, counted, declared)
+        divisor = self._flight.adopt(collective, self.options)
+        self._flight.settle()
         tensors: CountFirst | ScaleAfter
-        if counted:
-            codes = self._codes(state.steps, terms.COUNT_FIRST_BEGIN)
-            carried = self._pending.loss_sum if self._pending is not None else None
-            tensors = CountFirst(collective, self.layout, codes, counts, self._divisor, carried)
-            self._carry(tensors.reduction)
+        if counts is not None:
+            codes = self._flight.codes(state.steps, terms.COUNT_FIRST_BEGIN)
+            carried = self._flight.carried
+            tensors = CountFirst(collective, self.layout, codes, counts, carried, divisor)
+            self._flight.add(tensors.reduction)
         else:
-            tensors = ScaleAfter(params, self._estimate, self._divisor)
+            if isinstance(self._estimate, payload.Reduction):  # the last step counted first
+                self._estimate = self._estimate.total(self.weight_by)
+            tensors = ScaleAfter(params, self._estimate, divisor)
         self.state, self._tensors, self._collective = state, tensors, collective
         return StepContext(self, state.steps)
 
@@ -175,120 +152,102 @@ class Accumulator:
         num_samples: Count | None = None,
         num_tokens: Count | None = None,
     ) -> torch.Tensor:
-        """``loss`` times the next microbatch's factor, ready for ``backward()``.
-
-        ``loss`` is the microbatch's loss, a 0-dim floating-point tensor (its items' mean or
-        sum, per ``loss_reduction``). In a scale-after step, also pass its counts (an int or a
-        0-dim integer tensor each). A microbatch of weight 0 contributes exactly nothing: its
-        loss (a NaN of 0/0 included) reaches neither the gradients nor the logged loss.
-        """
-        validate.loss(loss)
-        given = (num_samples is not None, num_tokens is not None)
-        tensors = self._tensors
-        if not isinstance(tensors, ScaleAfter):  # count first, or no step (the machine says)
-            if _torch.is_compiling() and tensors is not None and not any(given):
-                machine.trace(self.state)
-                return tensors.scale_traced(loss, self.loss_reduction)
-            state, index = machine.scale(self.state, given, self._traced)
-            assert tensors is not None
-            scaled = tensors.scale(loss, index, self.loss_reduction, state.steps)
-        else:
+        """``loss`` (a 0-dim tensor, its items' mean or sum) times the next microbatch's factor,
+        ready for ``backward()``; scaling after, with its counts. A microbatch of weight 0 adds
+        exactly nothing: its loss (a NaN of 0/0 included) reaches no gradient and no log."""
+        _check_loss(loss)
+        given, tensors = (num_samples is not None, num_tokens is not None), self._tensors
+        if isinstance(tensors, ScaleAfter):
             counts = {"samples": num_samples, "tokens": num_tokens}
-            checked = {
-                n: None if c is None else validate.microbatch_count(f"num_{n}", c)
-                for n, c in counts.items()
-            }
+            checked = {n: None if c is None else _count(f"num_{n}", c) for n, c in counts.items()}
             state, _ = machine.scale(self.state, given, traced=False)
             scaled = tensors.scale(loss, checked, self.weight_by, self.loss_reduction)
+        elif torch.compiler.is_compiling() and tensors is not None and not any(given):
+            machine.trace(self.state)
+            return tensors.scale_traced(loss, self.loss_reduction)
+        else:  # count first, or no step: the machine says which
+            traced = tensors is not None and tensors.cursor is not None
+            state, index = machine.scale(self.state, given, traced)
+            assert tensors is not None
+            scaled = tensors.scale(loss, index, self.options.loss_reduction, state.steps)  # type: ignore[arg-type]
         self.state = state
         return scaled
 
     def backward_scale(self, microbatch: int | None = None) -> torch.Tensor:
-        """The factor of a count-first step's microbatch: ``w * D / W`` for mean losses,
-        ``D / W`` for summed ones (0 for a mean loss of weight 0), a 0-dim float64 tensor.
-
-        ``backward_scale(i)`` gives microbatch ``i`` its factor: a loop that back-propagates
-        ``loss * acc.backward_scale(i)`` itself takes the microbatch this way, and hands its
-        detached loss over with :meth:`record_loss` for the logged loss. ``backward_scale()``
-        reads the factor the next :meth:`scale_loss` will apply, taking nothing. Reading a
-        factor again changes nothing; the first read waits for the count reduction.
-        """
+        """A count-first factor, ``w * D / W`` (mean losses) or ``D / W`` (sums), as float64.
+        ``backward_scale(i)`` gives microbatch ``i`` its factor, for a loop that multiplies the
+        loss itself (then :meth:`record_loss`); ``backward_scale()`` reads the next one."""
         self.state, index = machine.factor(self.state, microbatch, self._traced)
-        tensors = self._count_first
-        if index is None:  # the next microbatch of a compiled step: its position is a tensor
-            index = int(tensors.cursor) if tensors.cursor is not None else 0
-            if index >= tensors.size:
-                raise error("no_next", declared=tensors.size, step=self.state.steps)
+        tensors = self._tensors
+        assert isinstance(tensors, CountFirst)
+        # None: the next microbatch of a compiled step, whose position is a tensor.
+        if index is None and (index := int(tensors.cursor or 0)) >= tensors.size:
+            raise error("no_next", declared=tensors.size, step=self.state.steps)
         return tensors.factors(self.loss_reduction)[index]
 
     def record_loss(self, microbatch: int, loss: torch.Tensor) -> None:
-        """Hand over the loss of microbatch ``microbatch``, back-propagated with
-        ``backward_scale(microbatch)``, so that ``StepResult.loss`` covers it: the loss as
-        given to the factor (the mean or the sum of its items' losses), copied detached."""
-        validate.loss(loss)
+        """Hand over the loss that ``backward_scale(microbatch)`` multiplied, for the logged
+        loss (a detached copy is kept)."""
+        _check_loss(loss)
         self.state, index = machine.record(self.state, microbatch)
-        self._count_first.record(index, loss)
+        assert isinstance(self._tensors, CountFirst)
+        self._tensors.record(index, loss)
 
     def end(self) -> StepResult:
-        """Close the step and return what it reports (see :class:`StepResult`).
-
-        Call it on every rank after the step's last backward, before gradient clipping and
-        ``optimizer.step()``. A count-first step's gradients are final already; a scale-after
-        step's one all-reduce sums its counts and losses, then every gradient of the parameters
-        given to ``begin()`` is multiplied by the correcting factor, once, on its device. If
-        ``end()`` raises, calling it again issues no second all-reduce.
-        """
-        state, step = machine.end(self.state, self._traced), self.state.step
-        tensors = self._tensors
-        assert step is not None and tensors is not None and self._collective is not None
+        """Close the step on every rank, after its last backward and before clipping and
+        ``optimizer.step()``; scaling after, it reduces the counts and rescales the gradients
+        once. Returns what the step reports; if it raises, calling it again reduces no more."""
+        step, tensors, collective = self.state.step, self._tensors, self._collective
+        state = machine.end(self.state, self._traced)
+        assert step is not None and tensors is not None and collective is not None
         if isinstance(tensors, CountFirst):
-            result = self._end_count_first(state, step, tensors)
+            result = self._end_count_first(step, tensors, collective)
+            self._estimate = tensors.reduction
         else:
-            self._settle()
-            codes = self._codes(step.index, terms.SCALE_AFTER_END)
-            carried = self._pending.loss_sum if self._pending is not None else None
-            reduction = tensors.finish(
-                self._collective, self.layout, codes, step.given, self.loss_reduction, carried
+            self._flight.settle()
+            codes, carried = (
+                self._flight.codes(step.number, terms.SCALE_AFTER_END),
+                self._flight.carried,
             )
-            self._carry(reduction)
-            result = StepResult(step.index, reduction, reduction, [])
-        self._estimate = result._counts.total(self.weight_by)
+            reduction = tensors.finish(
+                collective, self.layout, codes, step.given, self.loss_reduction, carried
+            )
+            self._flight.add(reduction)
+            result = StepResult(step.number, reduction, reduction, [])
+            assert tensors.total is not None
+            self._estimate = tensors.total
         self.state, self._tensors = state, None
         return result
 
     def abandon(self) -> None:
-        """Drop the open step, if any, on every rank, keeping the Accumulator for the next.
-
-        The gradients are left as they are: call ``optimizer.zero_grad()`` before the next
-        step. A count-first step's reduction is waited for here, so none is left in flight.
-        """
+        """Drop the open step, if any, on every rank (its gradients stay: zero them), waiting
+        for a count-first step's reduction so that none is left in flight."""
         tensors, self._tensors = self._tensors, None
         self.state = machine.abandon(self.state)
         if isinstance(tensors, CountFirst):
             tensors.reduction.wait()
 
     def flush(self) -> None:
-        """Reduce the loss ``loss_logging="next_step"`` left waiting, if any, on every rank
-        after the last step: one all-reduce when a loss waits, waited for before returning."""
+        """Reduce a loss ``loss_logging="next_step"`` left waiting, on every rank after the last
+        step: one all-reduce when a loss waits, waited for before it returns."""
         state, waits = machine.flush(self.state)
-        if waits and self._pending is not None:
+        if waits and self._flight.pending is not None:
             collective = self._resolver.resolve()
-            self._divisor = self.options.divisor(collective.world_size)
-            self._settle()
-            codes = self._codes(state.steps, terms.FLUSH)
-            reduction = self._start_loss(collective, codes, collective.device, previous=True)
+            self._flight.adopt(collective, self.options)
+            self._flight.settle()
+            codes = self._flight.codes(state.steps, terms.FLUSH)
+            reduction = self._flight.reduce_loss(collective, self.layout, codes, collective.device)
             self.state = state
-            # Waited on once recorded: a wait that fails is retried, never a second all-reduce.
-            reduction.wait()
+            reduction.wait()  # once recorded: a wait that fails is retried, never re-reduced
         self.state = state
 
     def state_dict(self) -> dict[str, Any]:
-        """The step counter, the estimate of ``W`` the next scale-after step assumes, and the
-        options, as plain values (``torch.load(weights_only=True)`` loads them). No process
-        group: the state may be loaded at another world size. Call :meth:`flush` first to log
-        a waiting loss; reading the estimate waits for the last step's reduction."""
+        """The step counter, the estimate of ``W`` and the options, as plain values that load
+        at any world size. Call :meth:`flush` first to log a waiting loss."""
         machine.idle(self.state, "state_dict")
         estimate = self._estimate
+        if isinstance(estimate, payload.Reduction):
+            estimate = estimate.total(self.weight_by)
         return {
             "format": _STATE_FORMAT,
             "steps": self.state.steps,
@@ -300,7 +259,8 @@ class Accumulator:
         """Continue from ``state_dict()``'s value, saved with the same options."""
         machine.idle(self.state, "load_state_dict")
         steps, estimate = _checked_state(state_dict, self.options)
-        self.state, self._estimate, self._pending = machine.load(self.state, steps), estimate, None
+        self.state, self._estimate = machine.load(self.state, steps), estimate
+        self._flight.pending = None
 
     def __getstate__(self) -> dict[str, Any]:
         if self._resolver.explicit:
@@ -314,82 +274,216 @@ class Accumulator:
 
     @property
     def _traced(self) -> bool:
-        """Whether the open step's scale_loss() runs compiled (counting on the device)."""
+        """Whether the open step's scale_loss() runs compiled, counting on the device."""
         return isinstance(self._tensors, CountFirst) and self._tensors.cursor is not None
 
-    @property
-    def _count_first(self) -> CountFirst:
-        assert isinstance(self._tensors, CountFirst)
-        return self._tensors
-
-    def _codes(self, step: int, call: int) -> tuple[int, ...]:
-        return self.options.codes(step, call, self._divisor)
-
     def _end_count_first(
-        self, state: machine.State, step: machine.Step, tensors: CountFirst
+        self, step: machine.Step, tensors: CountFirst, collective: Collective
     ) -> StepResult:
-        unrecorded = step.unrecorded
+        unrecorded = step.unrecorded if step.factored else []
         loss_sum = tensors.loss_sum(self.loss_reduction, known=not unrecorded)
         if self.loss_logging == "next_step":
-            self._pending = PendingLoss(loss_sum)
-            return StepResult(step.index, tensors.reduction, self._pending, unrecorded)
-        assert self._collective is not None
-        self._settle()
-        codes = self._codes(step.index, terms.COUNT_FIRST_END)
-        device = tensors.reduction.device
-        reduction = self._start_loss(self._collective, codes, device, own=loss_sum)
-        return StepResult(step.index, tensors.reduction, reduction, unrecorded)
+            self._flight.pending = PendingLoss(loss_sum)
+            return StepResult(step.number, tensors.reduction, self._flight.pending, unrecorded)
+        self._flight.settle()
+        codes = self._flight.codes(step.number, terms.COUNT_FIRST_END)
+        reduction = self._flight.reduce_loss(
+            collective, self.layout, codes, tensors.device, loss_sum
+        )
+        return StepResult(step.number, tensors.reduction, reduction, unrecorded)
 
-    def _start_loss(
+
+class _InFlight:
+    """The reductions: the world they run in (its size, ``D`` and the options' agreement
+    codes), those started and not yet checked, and the loss of a count-first step that waits
+    (``loss_logging="next_step"``) for the next reduction to carry it."""
+
+    def __init__(self) -> None:
+        self.world: tuple[int, float, tuple[int, ...]] = (0, 1.0, ())
+        self.unsettled: list[payload.Reduction] = []
+        self.pending: PendingLoss | None = None
+
+    def adopt(self, collective: Collective, options: terms.Options) -> float:
+        """``D`` for this world, and its codes (made when the world's size changes)."""
+        if collective.world_size != self.world[0]:
+            divisor = options.divisor(collective.world_size)
+            self.world = (collective.world_size, divisor, options.codes(divisor))
+        return self.world[1]
+
+    def codes(self, step: int, call: int) -> tuple[int, ...]:
+        return (step % 2**16, call, *self.world[2])
+
+    @property
+    def carried(self) -> torch.Tensor | None:
+        return None if self.pending is None else self.pending.loss_sum
+
+    def add(self, reduction: payload.Reduction) -> None:
+        """A reduction started: it carries the loss that waited, and is checked later."""
+        if self.pending is not None:
+            self.pending.reduction, self.pending = reduction, None
+        self.unsettled.append(reduction)
+
+    def reduce_loss(
         self,
         collective: Collective,
+        layout: terms.Layout,
         codes: tuple[int, ...],
         device: torch.device,
         own: torch.Tensor | None = None,
-        previous: bool = False,
-    ) -> Reduction:
-        """A reduction of loss sums alone: a count-first step's own, or the waiting one."""
-        carried = self._pending.loss_sum if previous and self._pending is not None else None
-        losses = {("loss", False): own, ("loss", True): carried}
-        flags = {name: (False, False) for name in self.layout.reported}
-        reduction = payload.start(collective, self.layout, codes, device, {}, flags, losses)
-        if previous:
-            self._carry(reduction)
-        else:
-            self._unsettled.append(reduction)
+    ) -> payload.Reduction:
+        """A reduction of loss sums alone: a count-first step's own, or the one that waits."""
+        losses = {("loss", False): own, ("loss", True): self.carried}
+        flags = {name: (False, False) for name in layout.reported}
+        reduction = payload.start(collective, layout, codes, device, {}, flags, losses)
+        self.add(reduction)
         return reduction
 
-    def _step_counts(self, given: dict[str, Counts | None]) -> dict[str, Any]:
-        name = f"num_{self.weight_by}"
-        if given[name] is None:
-            raise error("weight_missing", name=name, weight_by=self.weight_by)
-        counts = {
-            n[4:]: None if c is None else validate.step_counts(n, c) for n, c in given.items()
-        }
-        samples, tokens = counts["samples"], counts["tokens"]
-        if samples is not None and tokens is not None and len(samples) != len(tokens):
-            raise error("lengths_differ", samples=len(samples), tokens=len(tokens))
-        return counts
-
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Check every reduction started so far before a new one starts, so that a
         disagreement surfaces at the reduction that paired it (on an accelerator, at the first
         call after its verdict reached the host)."""
-        unsettled, self._unsettled = self._unsettled, []
+        unsettled, self.unsettled = self.unsettled, []
         for index, reduction in enumerate(unsettled):
             try:
-                if not reduction.settle():
-                    self._unsettled.append(reduction)
+                if not reduction.settled:
+                    reduction.settle()
             except BaseException:
-                self._unsettled.extend(unsettled[index + 1 :])
+                self.unsettled.extend(unsettled[index + 1 :])
                 raise
+            if not reduction.settled:
+                self.unsettled.append(reduction)
 
-    def _carry(self, reduction: Reduction) -> None:
-        """``reduction`` carries the loss that waited, and is checked with the next call."""
-        if self._pending is not None:
-            self._pending.reduction = reduction
-            self._pending = None
-        self._unsettled.append(reduction)
+
+class StepContext:
+    """What ``begin()`` returns: ``with acc.begin(...):`` abandons the step if an exception
+    leaves the block while it is open. Without ``with``, it can be ignored."""
+
+    def __init__(self, accumulator: Accumulator, index: int) -> None:
+        self._accumulator, self.index = accumulator, index
+
+    def __enter__(self) -> StepContext:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        step = self._accumulator.state.step
+        if kind is not None and step is not None and step.number == self.index:
+            self._accumulator.abandon()
+
+
+# What users pass, checked at the boundary: each check raises the coded error that names the
+# argument, its value and the fix, and returns the input copied where the caller could change
+# it later (inputs are taken by value).
+
+COUNT_LIMIT = 2**62  # every count and every step's total: reduced exactly as two 31-bit limbs
+_COUNT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+_ONE_D, _ZERO_D = (
+    "pass one count per microbatch, as a 1-D tensor",
+    "each count must be a 0-dim tensor or an int",
+)
+
+
+def _host_count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise error("not_integer", name=name, value=value)
+    if (count := int(value)) < 0:
+        raise error("negative", name=name, value=count)
+    if count >= COUNT_LIMIT:
+        raise error("too_large", name=name, value=count)
+    return count
+
+
+def _tensor_counts(name: str, counts: torch.Tensor, dim: int, rule: str) -> torch.Tensor:
+    """An int64 copy on the counts' device, checked there without a host read (on the CPU a
+    bad count raises at once; on an accelerator at the next sync)."""
+    if counts.dim() != dim:
+        raise error("count_shape", name=name, shape=tuple(counts.shape), rule=rule)
+    if counts.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        raise error("wide_unsigned", name=name, dtype=counts.dtype)
+    if counts.dtype not in _COUNT_DTYPES:
+        raise error("count_dtype", name=name, dtype=counts.dtype)
+    copied = counts.detach().to(torch.int64, copy=True)
+    in_range = (copied >> 62) == 0  # a count in [0, 2**62) shifts to 0, a negative one to -1
+    flag = in_range if copied.dim() == 0 else in_range.all()
+    _torch.assert_true(flag, device_message("count_range", name=name))
+    return copied
+
+
+def _count(name: str, value: object) -> Count:
+    """One microbatch's count: an int, or a 0-dim integer tensor (copied)."""
+    if isinstance(value, torch.Tensor):
+        return _tensor_counts(name, value, 0, _ZERO_D)
+    return _host_count(name, value)
+
+
+def _counts_of(name: str, value: object) -> list[int] | torch.Tensor:
+    """A step's counts, one per microbatch: Python ints stay a list on the host, anything with
+    a tensor in it becomes a 1-D int64 tensor (a copy)."""
+    if isinstance(value, torch.Tensor):
+        return _tensor_counts(name, value, 1, _ONE_D)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise error("not_a_sequence", name=name, value=value)
+    if not any(isinstance(count, torch.Tensor) for count in value):
+        return [_host_count(f"{name}[{index}]", count) for index, count in enumerate(value)]
+    tensors = []
+    for index, count in enumerate(value):
+        if not isinstance(count, torch.Tensor):
+            count = torch.tensor(_host_count(f"{name}[{index}]", count))
+        elif count.dim() != 0 or count.dtype not in _COUNT_DTYPES:
+            _tensor_counts(f"{name}[{index}]", count, 0, _ZERO_D)  # raises what is wrong
+        tensors.append(count)
+    device = accelerator_of(f"the tensors in {name}", (count.device for count in tensors))
+    stacked = torch.stack([count.to(device, torch.int64, non_blocking=True) for count in tensors])
+    return _tensor_counts(name, stacked, 1, _ONE_D)
+
+
+def _opening(
+    samples: object, tokens: object, parameters: object, weight_by: str
+) -> tuple[dict[str, Any] | None, list[torch.Tensor]]:
+    """What ``begin()`` opens: a count-first step's counts, or a scale-after step's
+    parameters."""
+    if samples is None and tokens is None:
+        if parameters is None:
+            raise error("neither", weight_by=weight_by)
+        return None, _parameter_list(parameters)
+    if parameters is not None:
+        raise error("counts_and_parameters")
+    given = {"samples": samples, "tokens": tokens}
+    if given[weight_by] is None:
+        raise error("weight_missing", name=f"num_{weight_by}", weight_by=weight_by)
+    counts = {n: None if c is None else _counts_of(f"num_{n}", c) for n, c in given.items()}
+    samples, tokens = counts["samples"], counts["tokens"]
+    if samples is not None and tokens is not None and len(samples) != len(tokens):
+        raise error("lengths_differ", samples=len(samples), tokens=len(tokens))
+    return counts, []
+
+
+def _check_loss(loss: object) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise error("loss_type", value=loss)
+    if loss.dim() != 0:
+        raise error("loss_shape", shape=tuple(loss.shape))
+    if not loss.is_floating_point():
+        raise error("loss_dtype", dtype=loss.dtype)
+
+
+def _parameter_list(parameters: object) -> list[torch.Tensor]:
+    """Scale-after parameters as a list: tensors, or (name, tensor) pairs."""
+    if isinstance(parameters, torch.Tensor) or not isinstance(parameters, Iterable):
+        shown = repr(parameters)
+        if isinstance(parameters, torch.Tensor):
+            shown = f"a tensor of shape {tuple(parameters.shape)}"
+        raise error("parameters_type", shown=shown)
+    found = []
+    for index, item in enumerate(parameters):
+        tensor = item[1] if isinstance(item, tuple) and len(item) == 2 else item
+        if not isinstance(tensor, torch.Tensor):
+            raise error("parameter_type", index=index, value=item)
+        found.append(tensor)
+    if not found:
+        raise error("no_parameters")
+    return found
 
 
 def _checked_state(state_dict: object, options: terms.Options) -> tuple[int, float]:
@@ -399,12 +493,10 @@ def _checked_state(state_dict: object, options: terms.Options) -> tuple[int, flo
         raise error("state_keys", keys=keys, expected=sorted(expected))
     if state_dict["format"] != _STATE_FORMAT:
         raise error("state_format", value=state_dict["format"], format=_STATE_FORMAT)
-    saved = state_dict["options"]
-    if not isinstance(saved, dict):
+    if not isinstance(saved := state_dict["options"], dict):
         raise error("state_options", value=saved)
     for name in terms.OPTIONS:
-        if saved.get(name) != getattr(options, name):
-            value = getattr(options, name)
+        if saved.get(name) != (value := getattr(options, name)):
             raise error("state_option", name=name, saved=saved.get(name), value=value)
     steps, estimate = state_dict["steps"], state_dict["weight_estimate"]
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
@@ -413,25 +505,3 @@ def _checked_state(state_dict: object, options: terms.Options) -> tuple[int, flo
     if not is_number or not math.isfinite(estimate) or estimate < 0:
         raise error("state_estimate", value=estimate)
     return steps, float(estimate)
-
-
-class StepContext:
-    """What ``begin()`` returns: ``with acc.begin(...):`` abandons the step if an exception
-    leaves the block while it is open. Without ``with``, it can be ignored."""
-
-    def __init__(self, accumulator: Accumulator, index: int) -> None:
-        self._accumulator = accumulator
-        self.index = index
-
-    def __enter__(self) -> StepContext:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        step = self._accumulator.state.step
-        if exc_type is not None and step is not None and step.index == self.index:
-            self._accumulator.abandon()

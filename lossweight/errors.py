@@ -1,9 +1,9 @@
 """Every error lossweight raises: its exception types and one table of coded messages.
 
-This module imports nothing. Host errors are made by :func:`error` from a code and the values
-its message names; the checks that run on a device (inside a compiled graph, or on counts that
-live on an accelerator) take their fixed text from :func:`device_message`, so both paths say
-the same words. docs/errors.md lists an input that raises each code.
+This module imports nothing. A host error is made by :func:`error` from a code and the values
+its message names; a check that runs on a device or inside a compiled graph takes its fixed
+text from :func:`device_message`, so both paths say the same words. docs/errors.md lists an
+input that raises each code, and the test suite runs every row.
 """
 
 from __future__ import annotations
@@ -15,326 +15,79 @@ class DisagreementError(RuntimeError):
     them."""
 
 
-_STEP_FIRST = "call begin(num_{weight_by}=[...]) or begin(parameters=...) to open a step first"
-_EVERY_MICROBATCH = "pass every declared microbatch's loss through scale_loss(), or declare fewer"
-_OPTION = "{name}={value!r} is not supported; pass {expected}"
-
-# code: (exception type, message template). A template's fields are filled by error().
+# code: (exception type, message). A message's {fields} are filled by error(); one line a row.
+# fmt: off
 MESSAGES: dict[str, tuple[type[Exception], str]] = {
-    # Options.
-    "no_loss_reduction": (
-        TypeError,
-        "Accumulator() needs loss_reduction: 'sum' if each loss you pass is the sum of its "
-        "items' losses (lossweight.token_cross_entropy returns a sum), 'mean' if it is their "
-        "mean (F.cross_entropy's default reduction)",
-    ),
-    "bad_option": (ValueError, _OPTION),
-    "not_a_collective": (
-        TypeError,
-        "collective={value!r} is not a Collective; implement world_size, device, "
-        "can_reduce_on() and all_reduce_sum() (see lossweight.Collective)",
-    ),
-    "group_and_collective": (
-        ValueError,
-        "group={group!r} and collective={collective!r} were both given; pass one: group for a "
-        "torch.distributed process group, collective for anything else",
-    ),
-    # The world.
-    "no_process_group": (
-        RuntimeError,
-        "group={group!r} was given but torch.distributed is not initialized; call "
-        "torch.distributed.init_process_group() before the first begin(), or pass group=None "
-        "for a single process",
-    ),
-    "bad_world_size": (
-        ValueError,
-        "collective {collective!r} has world_size={value!r}; a Collective's world_size must be "
-        "a positive int, the number of data-parallel ranks",
-    ),
-    "bad_handle": (
-        TypeError,
-        "{collective}.all_reduce_sum() returned {value!r}; it must return None (the sum is "
-        "complete) or an object whose wait() completes it",
-    ),
-    "cannot_reduce_on": (
-        ValueError,
-        "{name} is on {device}, where the collective cannot reduce (it reduces on {reduces}); "
-        "pass {name} on the CPU (Python ints or a CPU tensor), or reduce over a group whose "
-        "backend handles {device.type} tensors",
-    ),
-    "devices_differ": (
-        ValueError,
-        "{what} are on different devices ({devices}); put the counts on one device, or on the CPU",
-    ),
-    # The order of calls (the step machine's rules).
-    "step_open": (
-        RuntimeError,
-        "{caller}() was called while step {step} is {still}open; {fix}",
-    ),
-    "no_step": (RuntimeError, "{caller}() was called {when}; " + _STEP_FIRST),
-    "counts_and_parameters": (
-        ValueError,
-        "begin() got counts and parameters; pass counts to count first "
-        "(begin(num_tokens=[...])), or parameters to scale after "
-        "(begin(parameters=model.parameters())), not both",
-    ),
-    "neither": (
-        ValueError,
-        "begin() got neither counts nor parameters; pass this rank's counts to count first "
-        "(begin(num_{weight_by}=[one count per microbatch])), or the parameters whose "
-        "gradients end() rescales to scale after (begin(parameters=model.parameters()))",
-    ),
-    "too_many": (
-        RuntimeError,
-        "scale_loss() was called for microbatch {number} of step {step}, but begin() declared "
-        "{declared} microbatches; declare one count per microbatch in begin()",
-    ),
-    "counts_declared": (
-        ValueError,
-        "scale_loss() got counts, but begin() declared the counts of step {step} already; call "
-        "scale_loss() without them, or begin() with parameters instead of counts to give them "
-        "here",
-    ),
-    "too_few": (
-        RuntimeError,
-        "end() was called after {scaled} of the {declared} microbatches that begin() declared "
-        "for step {step}, and backward_scale() gave no factor for microbatches {missing}; "
-        + _EVERY_MICROBATCH,
-    ),
-    "scale_after_factor": (
-        RuntimeError,
-        "{caller}() was called in step {step}, which scales after: its factors are "
-        "provisional until end() learns the global count; pass each loss to scale_loss(), or "
-        "give every count to begin() to count first",
-    ),
-    "no_next": (
-        RuntimeError,
-        "backward_scale() has no next microbatch: all {declared} microbatches that begin() "
-        "declared for step {step} went through scale_loss(); pass backward_scale(index) to "
-        "read the factor of one of them",
-    ),
-    "bad_microbatch": (
-        ValueError,
-        "{caller}({microbatch!r}): step {step} declared {declared} microbatches in begin(); "
-        "pass an index from 0 to {last}",
-    ),
-    "loss_twice": (
-        RuntimeError,
-        "{caller} was called for microbatch {microbatch} of step {step}, whose loss it holds "
-        "already (from scale_loss() or record_loss()); hand over each microbatch's loss once",
-    ),
-    "loss_unfactored": (
-        RuntimeError,
-        "record_loss({microbatch}) was called before backward_scale({microbatch}) gave that "
-        "microbatch of step {step} its factor; read its factor first, or pass the loss through "
-        "scale_loss()",
-    ),
-    "counts_differ": (
-        ValueError,
-        "scale_loss() got {now} for microbatch {number} but {before} for the ones before; give "
-        "the same counts for every microbatch of a step",
-    ),
-    # Counts, losses, parameters.
-    "weight_missing": (
-        ValueError,
-        "{name}=None, but weight_by={weight_by!r} weights each microbatch by it; pass "
-        "{name}=[one count per microbatch], or parameters instead of counts to give them with "
-        "each loss",
-    ),
-    "weight_missing_here": (
-        ValueError,
-        "scale_loss() got {name}=None in a scale-after step (begin() had no counts); pass "
-        "{name}=<this microbatch's count>, or declare all counts in begin()",
-    ),
-    "lengths_differ": (
-        ValueError,
-        "num_samples has {samples} counts but num_tokens has {tokens}; give both one count per "
-        "microbatch",
-    ),
-    "not_integer": (
-        TypeError,
-        "{name}={value!r} is not an integer count; counts are numbers of samples or tokens: "
-        "pass ints, or an integer tensor",
-    ),
-    "negative": (
-        ValueError,
-        "{name}={value} is negative; counts are numbers of samples or tokens, 0 or more",
-    ),
-    "too_large": (
-        ValueError,
-        "{name}={value} is not below 2**62, the largest count lossweight reduces exactly; pass "
-        "the count of the items the loss covers (a step's total over all ranks must stay below "
-        "2**62 too)",
-    ),
-    "not_a_sequence": (
-        TypeError,
-        "{name}={value!r} is not a sequence of counts; pass one count per microbatch, as a 1-D "
-        "integer tensor or a list of ints",
-    ),
+    # Options and the world.
+    "no_loss_reduction": (TypeError, "Accumulator() needs loss_reduction: 'sum' if each loss you pass is the sum of its items' losses (lossweight.token_cross_entropy returns a sum), 'mean' if it is their mean (F.cross_entropy's default reduction)"),
+    "bad_option": (ValueError, "{name}={value!r} is not supported; pass {expected}"),
+    "not_a_collective": (TypeError, "collective={value!r} is not a Collective; implement world_size, device, can_reduce_on() and all_reduce_sum() (see lossweight.Collective)"),
+    "group_and_collective": (ValueError, "group={group!r} and collective={collective!r} were both given; pass one: group for a torch.distributed process group, collective for anything else"),
+    "no_process_group": (RuntimeError, "group={group!r} was given but torch.distributed is not initialized; call torch.distributed.init_process_group() before the first begin(), or pass group=None for a single process"),
+    "bad_world_size": (ValueError, "collective {collective!r} has world_size={value!r}; a Collective's world_size must be a positive int, the number of data-parallel ranks"),
+    "bad_handle": (TypeError, "{collective}.all_reduce_sum() returned {value!r}; it must return None (the sum is complete) or an object whose wait() completes it"),
+    "cannot_reduce_on": (ValueError, "{name} is on {device}, where the collective cannot reduce (it reduces on {reduces}); pass {name} on the CPU (Python ints or a CPU tensor), or reduce over a group whose backend handles {device.type} tensors"),
+    "devices_differ": (ValueError, "{what} are on different devices ({devices}); put the counts on one device, or on the CPU"),
+    # The order of calls: the step machine's rules.
+    "step_open": (RuntimeError, "{caller}() was called while step {step} is {still}open; {fix}"),
+    "no_step": (RuntimeError, "{caller}() was called {when}; call begin(num_{weight_by}=[...]) or begin(parameters=...) to open a step first"),
+    "counts_and_parameters": (ValueError, "begin() got counts and parameters; pass counts to count first (begin(num_tokens=[...])), or parameters to scale after (begin(parameters=model.parameters())), not both"),
+    "neither": (ValueError, "begin() got neither counts nor parameters; pass this rank's counts to count first (begin(num_{weight_by}=[one count per microbatch])), or the parameters whose gradients end() rescales to scale after (begin(parameters=model.parameters()))"),
+    "too_many": (RuntimeError, "scale_loss() was called for microbatch {number} of step {step}, but begin() declared {declared} microbatches; declare one count per microbatch in begin()"),
+    "counts_declared": (ValueError, "scale_loss() got counts, but begin() declared the counts of step {step} already; call scale_loss() without them, or begin() with parameters instead of counts to give them here"),
+    "too_few": (RuntimeError, "end() was called after {scaled} of the {declared} microbatches that begin() declared for step {step}, and backward_scale() gave no factor for microbatches {missing}; pass every declared microbatch's loss through scale_loss(), or declare fewer"),
+    "scale_after_factor": (RuntimeError, "{caller}() was called in step {step}, which scales after: its factors are provisional until end() learns the global count; pass each loss to scale_loss(), or give every count to begin() to count first"),
+    "no_next": (RuntimeError, "backward_scale() has no next microbatch: all {declared} microbatches that begin() declared for step {step} went through scale_loss(); pass backward_scale(index) to read the factor of one of them"),
+    "bad_microbatch": (ValueError, "{caller}({microbatch!r}): step {step} declared {declared} microbatches in begin(); pass an index from 0 to {last}"),
+    "loss_twice": (RuntimeError, "{caller} was called for microbatch {microbatch} of step {step}, whose loss it holds already (from scale_loss() or record_loss()); hand over each microbatch's loss once"),
+    "loss_unfactored": (RuntimeError, "record_loss({microbatch}) was called before backward_scale({microbatch}) gave that microbatch of step {step} its factor; read its factor first, or pass the loss through scale_loss()"),
+    "counts_differ": (ValueError, "scale_loss() got {now} for microbatch {number} but {before} for the ones before; give the same counts for every microbatch of a step"),
+    # Counts, losses and parameters.
+    "weight_missing": (ValueError, "{name}=None, but weight_by={weight_by!r} weights each microbatch by it; pass {name}=[one count per microbatch], or parameters instead of counts to give them with each loss"),
+    "weight_missing_here": (ValueError, "scale_loss() got {name}=None in a scale-after step (begin() had no counts); pass {name}=<this microbatch's count>, or declare all counts in begin()"),
+    "lengths_differ": (ValueError, "num_samples has {samples} counts but num_tokens has {tokens}; give both one count per microbatch"),
+    "not_integer": (TypeError, "{name}={value!r} is not an integer count; counts are numbers of samples or tokens: pass ints, or an integer tensor"),
+    "negative": (ValueError, "{name}={value} is negative; counts are numbers of samples or tokens, 0 or more"),
+    "too_large": (ValueError, "{name}={value} is not below 2**62, the largest count lossweight reduces exactly; pass the count of the items the loss covers (a step's total over all ranks must stay below 2**62 too)"),
+    "not_a_sequence": (TypeError, "{name}={value!r} is not a sequence of counts; pass one count per microbatch, as a 1-D integer tensor or a list of ints"),
     "count_shape": (ValueError, "{name} is a tensor of shape {shape}; {rule}"),
-    "wide_unsigned": (
-        TypeError,
-        "{name} has dtype {dtype}, which torch cannot compare on every device; pass "
-        "{name}.to(torch.int64)",
-    ),
-    "count_dtype": (
-        TypeError,
-        "{name} has dtype {dtype}, but counts must be integers; pass an integer tensor (e.g. "
-        "mask.sum(-1), which is int64) or Python ints",
-    ),
-    "count_range": (
-        RuntimeError,
-        "{name} holds a count that is negative or not below 2**62; counts are numbers of "
-        "samples or tokens, 0 or more",
-    ),
+    "wide_unsigned": (TypeError, "{name} has dtype {dtype}, which torch cannot compare on every device; pass {name}.to(torch.int64)"),
+    "count_dtype": (TypeError, "{name} has dtype {dtype}, but counts must be integers; pass an integer tensor (e.g. mask.sum(-1), which is int64) or Python ints"),
+    "count_range": (RuntimeError, "{name} holds a count that is negative or not below 2**62; counts are numbers of samples or tokens, 0 or more"),
     "loss_type": (TypeError, "loss={value!r} is not a tensor; pass the microbatch's loss tensor"),
-    "loss_shape": (
-        ValueError,
-        "loss has shape {shape}, but it must be a scalar (0-dim) tensor; reduce it to the mean "
-        "or the sum of its items first",
-    ),
+    "loss_shape": (ValueError, "loss has shape {shape}, but it must be a scalar (0-dim) tensor; reduce it to the mean or the sum of its items first"),
     "loss_dtype": (TypeError, "loss has dtype {dtype}; pass a floating-point loss"),
-    "parameters_type": (
-        TypeError,
-        "parameters is {shown}, not an iterable of parameters; pass model.parameters() or "
-        "model.named_parameters() (or [tensor] for one tensor)",
-    ),
-    "parameter_type": (
-        TypeError,
-        "parameters[{index}] is {value!r}, not a tensor; pass model.parameters() or "
-        "model.named_parameters()",
-    ),
-    "no_parameters": (
-        ValueError,
-        "parameters holds no parameter (an empty list, or an iterator such as "
-        "model.parameters() that was used up already); pass model.parameters() afresh",
-    ),
-    "stale_gradients": (
-        RuntimeError,
-        "parameters given to begin() of a scale-after step already hold nonzero gradients, "
-        "which end() would rescale as if they came from this step; call optimizer.zero_grad() "
-        "before begin(), and pass every loss of the step through scale_loss()",
-    ),
-    "no_gradients": (
-        ValueError,
-        "none of the {parameters} parameters given to begin() has a gradient after {scaled} "
-        "microbatches of step {step} went through scale_loss(); pass the parameters of the "
-        "model those losses came from",
-    ),
-    # Results and state.
-    "loss_pending": (
-        RuntimeError,
-        "the loss of step {step} is not reduced yet: with loss_logging='next_step' it travels "
-        "with the Accumulator's next reduction (the next begin() of a count-first step, end() "
-        "of a scale-after step, or flush(), called on every rank); read it after that, or "
-        "construct the Accumulator with loss_logging='end'",
-    ),
-    "loss_not_recorded": (
-        RuntimeError,
-        "the loss of step {step} is not known on this rank: microbatches {missing} took their "
-        "factor from backward_scale() and their loss was not handed over; call "
-        "acc.record_loss(i, loss) for each of them, or pass the losses through scale_loss()",
-    ),
-    "state_keys": (
-        ValueError,
-        "state_dict has {keys!r}, not the keys {expected} of Accumulator.state_dict(); pass "
-        "the value it returned",
-    ),
-    "state_format": (
-        ValueError,
-        "state_dict has format {value!r}, but this version of lossweight reads format {format}",
-    ),
-    "state_options": (
-        ValueError,
-        "state_dict has options={value!r}, not a dict of the Accumulator's options; pass the "
-        "value state_dict() returned",
-    ),
-    "state_option": (
-        ValueError,
-        "state_dict was saved with {name}={saved!r}, but this Accumulator has {name}={value!r}; "
-        "construct it with the options of the run it continues",
-    ),
+    "parameters_type": (TypeError, "parameters is {shown}, not an iterable of parameters; pass model.parameters() or model.named_parameters() (or [tensor] for one tensor)"),
+    "parameter_type": (TypeError, "parameters[{index}] is {value!r}, not a tensor; pass model.parameters() or model.named_parameters()"),
+    "no_parameters": (ValueError, "parameters holds no parameter (an empty list, or an iterator such as model.parameters() that was used up already); pass model.parameters() afresh"),
+    "stale_gradients": (RuntimeError, "parameters given to begin() of a scale-after step already hold nonzero gradients, which end() would rescale as if they came from this step; call optimizer.zero_grad() before begin(), and pass every loss of the step through scale_loss()"),
+    "no_gradients": (ValueError, "none of the {parameters} parameters given to begin() has a gradient after {scaled} microbatches of step {step} went through scale_loss(); pass the parameters of the model those losses came from"),
+    # Results and saved state.
+    "loss_pending": (RuntimeError, "the loss of step {step} is not reduced yet: with loss_logging='next_step' it travels with the Accumulator's next reduction (the next begin() of a count-first step, end() of a scale-after step, or flush(), called on every rank); read it after that, or construct the Accumulator with loss_logging='end'"),
+    "loss_not_recorded": (RuntimeError, "the loss of step {step} is not known on this rank: microbatches {missing} took their factor from backward_scale() and their loss was not handed over; call acc.record_loss(i, loss) for each of them, or pass the losses through scale_loss()"),
+    "state_keys": (ValueError, "state_dict has {keys!r}, not the keys {expected} of Accumulator.state_dict(); pass the value it returned"),
+    "state_format": (ValueError, "state_dict has format {value!r}, but this version of lossweight reads format {format}"),
+    "state_options": (ValueError, "state_dict has options={value!r}, not a dict of the Accumulator's options; pass the value state_dict() returned"),
+    "state_option": (ValueError, "state_dict was saved with {name}={saved!r}, but this Accumulator has {name}={value!r}; construct it with the options of the run it continues"),
     "state_steps": (ValueError, "state_dict has steps={value!r}; it must be an int, 0 or more"),
-    "state_estimate": (
-        ValueError,
-        "state_dict has weight_estimate={value!r}; it must be a finite number, 0 or more",
-    ),
-    "not_picklable": (
-        TypeError,
-        "an Accumulator given a group or a collective cannot be pickled, since a process group "
-        "cannot; save acc.state_dict() and load it into a new Accumulator with "
-        "load_state_dict()",
-    ),
-    # Checks that run where the numbers are: on the host, on a device or in a compiled graph.
-    "disagree": (
-        DisagreementError,
-        "lossweight: the data-parallel ranks disagree on {field} in one reduction of a step; "
-        "every rank must make the same calls (begin(), end(), flush(), abandon()) for the same "
-        "steps, with Accumulators of the same options",
-    ),
-    "total_too_large": (
-        DisagreementError,
-        "lossweight: the step's total {name} over all ranks is 2**62 or more",
-    ),
-    "cannot_be_reduced": (
-        DisagreementError,
-        "lossweight step {step} (mod 2**16) cannot be reduced over {ranks} ranks: {problems}. "
-        "Every rank must make the same calls (begin(), end(), flush(), abandon()) for the same "
-        "steps, with Accumulators of the same options.",
-    ),
-    "differ_step": (
-        DisagreementError,
-        "this rank is at step {own} but the ranks' mean step is {mean:g}: a rank skipped, "
-        "abandoned or added a step alone",
-    ),
-    "differ_call": (
-        DisagreementError,
-        "this rank reduces for {call}, but the ranks' mean call code is {mean:g} (codes {codes})",
-    ),
-    "differ_mode": (
-        DisagreementError,
-        ": some ranks count first and others scale after. On a rank with no microbatch in a "
-        "scale-after step, call begin(parameters=...) and end() as the other ranks do",
-    ),
-    "differ_choice": (
-        DisagreementError,
-        "the ranks differ in {field}: this rank has {own!r}; {share}% of the ranks have "
-        "{second!r} and the others {first!r}",
-    ),
-    "differ_divisor": (
-        DisagreementError,
-        "the ranks differ in grad_reduction (or framework_divides_loss_by): this rank's "
-        "factors undo a division of the gradients by {divisor:g}, another rank's by another "
-        "number",
-    ),
-    "differ_total": (
-        DisagreementError,
-        "the total {name} of the step over all ranks is 2**62 or more, beyond what is reduced "
-        "exactly; count the items of one optimizer step only",
-    ),
-    "traced_too_many": (
-        RuntimeError,
-        "lossweight: a compiled scale_loss() was called for more microbatches than begin() "
-        "declared; declare one count per microbatch in begin()",
-    ),
-    "traced_too_few": (
-        RuntimeError,
-        "lossweight: end() was called before every microbatch that begin() declared went "
-        "through scale_loss(); " + _EVERY_MICROBATCH,
-    ),
-    "traced_after_eager": (
-        RuntimeError,
-        "scale_loss() of step {step} is compiled, but {scaled} of its microbatches went "
-        "through scale_loss() in eager code before; compile the function that calls it from a "
-        "step's first microbatch on, or not at all",
-    ),
-    "graph_asserts": (
-        RuntimeError,
-        "lossweight: scale_loss() inside torch.compile needs torch 2.9 or newer on CPU or CUDA "
-        "(this is torch {version}), whose compiled graphs keep the asserts of the ranks' "
-        "agreement check; upgrade torch, or call scale_loss() outside the compiled function",
-    ),
+    "state_estimate": (ValueError, "state_dict has weight_estimate={value!r}; it must be a finite number, 0 or more"),
+    "not_picklable": (TypeError, "an Accumulator given a group or a collective cannot be pickled, since a process group cannot; save acc.state_dict() and load it into a new Accumulator with load_state_dict()"),
+    "disagree": (DisagreementError, "lossweight: the data-parallel ranks disagree on {field} in one reduction of a step; every rank must make the same calls (begin(), end(), flush(), abandon()) for the same steps, with Accumulators of the same options"),
+    "total_too_large": (DisagreementError, "lossweight: the step's total {name} over all ranks is 2**62 or more"),
+    # Checks of the reduced numbers: on the host, on a device or in a compiled graph.
+    "cannot_be_reduced": (DisagreementError, "lossweight step {step} (mod 2**16) cannot be reduced over {ranks} ranks: {problems}. Every rank must make the same calls (begin(), end(), flush(), abandon()) for the same steps, with Accumulators of the same options."),
+    "differ_step": (DisagreementError, "this rank is at step {own} but the ranks' mean step is {mean:g}: a rank skipped, abandoned or added a step alone"),
+    "differ_call": (DisagreementError, "this rank reduces for {call}, but the ranks' mean call code is {mean:g} (codes {codes})"),
+    "differ_mode": (DisagreementError, ": some ranks count first and others scale after. On a rank with no microbatch in a scale-after step, call begin(parameters=...) and end() as the other ranks do"),
+    "differ_choice": (DisagreementError, "the ranks differ in {field}: this rank has {own!r}; {share}% of the ranks have {second!r} and the others {first!r}"),
+    "differ_divisor": (DisagreementError, "the ranks differ in grad_reduction (or framework_divides_loss_by): this rank's factors undo a division of the gradients by {divisor:g}, another rank's by another number"),
+    "differ_total": (DisagreementError, "the total {name} of the step over all ranks is 2**62 or more, beyond what is reduced exactly; count the items of one optimizer step only"),
+    "traced_too_many": (RuntimeError, "lossweight: a compiled scale_loss() was called for more microbatches than begin() declared; declare one count per microbatch in begin()"),
+    "traced_too_few": (RuntimeError, "lossweight: end() was called before every microbatch that begin() declared went through scale_loss(); pass every declared microbatch's loss through scale_loss(), or declare fewer"),
+    "traced_after_eager": (RuntimeError, "scale_loss() of step {step} is compiled, but {scaled} of its microbatches went through scale_loss() in eager code before; compile the function that calls it from a step's first microbatch on, or not at all"),
+    "graph_asserts": (RuntimeError, "lossweight: scale_loss() inside torch.compile needs torch 2.9 or newer on CPU or CUDA (this is torch {version}), whose compiled graphs keep the asserts of the ranks' agreement check; upgrade torch, or call scale_loss() outside the compiled function"),
 }
+# fmt: on
 
 
 def error(code: str, **fields: object) -> Exception:
@@ -344,5 +97,5 @@ def error(code: str, **fields: object) -> Exception:
 
 
 def device_message(code: str, **fields: object) -> str:
-    """The fixed text of a check that runs on a device: the same words :func:`error` raises."""
+    """The fixed text of a check that runs on a device: the words :func:`error` would raise."""
     return MESSAGES[code][1].format(**fields)

@@ -6,12 +6,14 @@
   provisional factor against an estimate ``E`` of the global weight, and ``end()`` reduces the
   counts, then multiplies every gradient by ``E / W`` in one pass.
 
-Which microbatch a call takes, and whether it may, is the step machine's decision
-(:mod:`lossweight.machine`); these classes only do the arithmetic on tensors, take inputs by
-value and read nothing back to the host.
+Which microbatch a call takes, and whether it may, is the step machine's decision; these
+classes do the arithmetic on tensors and read nothing back to the host.
 """
 
 from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -19,44 +21,43 @@ from . import _torch, payload, weighting
 from .collectives import Collective
 from .errors import device_message, error
 from .terms import Layout
-from .validate import Count, accelerator_of, reduction_device
+from .weighting import LossReduction
+
+Counts = dict[str, list[int] | torch.Tensor | None]
+_STALE = device_message("stale_gradients")
 
 
 class CountFirst:
-    """A step whose counts were all given to ``begin()``: ``counts[name]`` is a list of ints, a
-    1-D int64 tensor (already copied), or None when not given."""
+    """A step whose counts were all given to ``begin()``: for each count, a list of ints, a
+    1-D int64 tensor (a copy), or None."""
 
     def __init__(
         self,
         collective: Collective,
         layout: Layout,
         codes: tuple[int, ...],
-        counts: dict[str, list[int] | torch.Tensor | None],
-        divisor: float,
+        counts: Counts,
         carried: torch.Tensor | None,
+        divisor: float,
     ) -> None:
-        (term,) = layout.terms
-        weights = counts[term.normaliser]
+        (self._term,) = layout.terms
+        weights = counts[self._term.normaliser]
         assert weights is not None
-        self.size, self._term, self._divisor = len(weights), term, divisor
-        device = reduction_device(collective, counts)
+        self.size, self._divisor = len(weights), divisor
+        self.device = device = reduction_device(collective, counts)
+        totals = {name: sum(c) if isinstance(c, list) else c for name, c in counts.items()}
+        flags = {
+            n: (counts[n] is not None, counts[n] is None and self.size > 0) for n in layout.reported
+        }
+        losses = {(self._term.name, True): carried}
+        # traceable: scale_loss() uses the totals in every case, maybe in a compiled graph.
         self.reduction = payload.start(
-            collective,
-            layout,
-            codes,
-            device,
-            {name: sum(c) if isinstance(c, list) else c for name, c in counts.items()},
-            {
-                n: (counts[n] is not None, counts[n] is None and self.size > 0)
-                for n in layout.reported
-            },
-            {(term.name, True): carried},
-            traceable=True,  # end() uses the totals in every case
+            collective, layout, codes, device, totals, flags, losses, True
         )
         # Weights given as ints stay on the host too, where "is this one empty?" costs nothing.
         self._host_weights = weights if isinstance(weights, list) else None
         self._weights = (
-            _torch.float64(weights, device)
+            float64(weights, device)
             if isinstance(weights, list)
             else weights.to(device, torch.float64, non_blocking=True)
         )
@@ -69,42 +70,38 @@ class CountFirst:
         # int reached from a global, so counting in one would compile a graph per microbatch.
         self.cursor: torch.Tensor | None = None
 
-    def factors(self, loss_reduction: str) -> torch.Tensor:
+    def factors(self, loss_reduction: LossReduction) -> torch.Tensor:
         """Every microbatch's factor as float64, computed once: the first call waits for the
         count reduction."""
         if self._factors is None:
             total = self.reduction.total(self._term.normaliser)
             self._factors = weighting.backward_scale(
-                self._weights,
-                total,
-                self._divisor,
-                loss_reduction,  # type: ignore[arg-type]
+                self._weights, total, self._divisor, loss_reduction
             )
         return self._factors
 
     def scale(
-        self, loss: torch.Tensor, index: int | None, loss_reduction: str, step: int
+        self, loss: torch.Tensor, index: int | None, reduction: LossReduction, step: int
     ) -> torch.Tensor:
-        """``loss`` times microbatch ``index``'s factor; None: the cursor's (a compiled step's
-        microbatch run in eager code, where dynamo fell back)."""
-        factors, positive = self._on(loss, loss_reduction)
+        """``loss`` times microbatch ``index``'s factor; None: at the cursor (an eager call in a
+        compiled step, where dynamo fell back)."""
+        factors, positive = self._on(loss, reduction)
         if index is None:
             assert self.cursor is not None
-            index = int(self.cursor)
-            if index >= self.size:
+            if (index := int(self.cursor)) >= self.size:
                 raise error("too_many", number=index + 1, step=step, declared=self.size)
             self.cursor.add_(1)
-        self.record(index, loss)
+        self._losses[index] = loss.detach()  # type: ignore[index]  # made by _on()
         if self._host_weights is not None and self._host_weights[index] > 0:
             return loss * factors[index]
         # A microbatch of weight 0 contributes exactly nothing: torch.where takes neither the
         # value nor the gradient of the loss it does not select (a NaN of 0/0 included).
         return torch.where(positive[index], loss, 0.0) * factors[index]
 
-    def scale_traced(self, loss: torch.Tensor, loss_reduction: str) -> torch.Tensor:
+    def scale_traced(self, loss: torch.Tensor, reduction: LossReduction) -> torch.Tensor:
         """``scale()`` as torch.compile traces it: the position is a tensor, and nothing in the
         graph depends on the counts or on how many microbatches came before."""
-        factors, positive = self._on(loss, loss_reduction)
+        factors, positive = self._on(loss, reduction)
         if self.cursor is None:  # the step's first microbatch
             self.cursor = torch.zeros((), dtype=torch.int64, device=loss.device)
         cursor, losses = self.cursor, self._losses
@@ -123,28 +120,28 @@ class CountFirst:
             self._losses = torch.zeros(self.size, dtype=torch.float64, device=loss.device)
         self._losses[index] = loss.detach()
 
-    def loss_sum(self, loss_reduction: str, known: bool) -> torch.Tensor:
-        """This rank's term of the step's loss numerator, after its last microbatch; NaN when
-        some loss was not handed over (``known`` False), so that no rank logs a wrong one."""
+    def loss_sum(self, loss_reduction: LossReduction, known: bool) -> torch.Tensor:
+        """This rank's term of the loss numerator, after its last microbatch; NaN where a loss
+        was not handed over (``known`` False), so that no rank logs a wrong one."""
         if self.cursor is not None:  # a compiled step: checked on the device, no host sync
             _torch.assert_true(self.cursor == self.size, device_message("traced_too_few"))
         losses = self._losses
         if losses is None or not known:
             fill = 0.0 if known else torch.nan
-            return torch.full((), fill, dtype=torch.float64, device=self.reduction.device)
+            return torch.full((), fill, dtype=torch.float64, device=self.device)
         weights = self._weights.to(losses.device, non_blocking=True)
-        host = self._host_weights
-        if host is None or not all(host):  # an empty microbatch's loss may be NaN: drop it
-            losses = torch.where(weights > 0, losses, 0.0)
-        total: torch.Tensor = weighting.loss_contribution(losses, weights, loss_reduction).sum()  # type: ignore[arg-type]
-        return total
+        if self._host_weights is None or not all(self._host_weights):
+            losses = torch.where(weights > 0, losses, 0.0)  # an empty microbatch's NaN
+        return weighting.loss_contribution(losses, weights, loss_reduction).sum()  # type: ignore[no-any-return]
 
-    def _on(self, loss: torch.Tensor, loss_reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The factors at the loss's precision (float32 at least) and whether each weight is
-        positive, on the loss's device: made once per step (and per loss device and dtype)."""
+    def _on(
+        self, loss: torch.Tensor, reduction: LossReduction
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The factors at the loss's precision (float32 at least), and whether each weight is
+        positive, on the loss's device: made once a step (and a loss device and dtype)."""
         if self._cast is None or self._cast[:2] != (loss.device, loss.dtype):
             dtype = torch.promote_types(loss.dtype, torch.float32)
-            factors = self.factors(loss_reduction).to(loss.device, dtype, non_blocking=True)
+            factors = self.factors(reduction).to(loss.device, dtype, non_blocking=True)
             positive = (self._weights > 0).to(loss.device, non_blocking=True)
             self._cast = (loss.device, loss.dtype, factors, positive)
             if self._losses is None:
@@ -156,25 +153,25 @@ class ScaleAfter:
     """A step whose counts come with each loss, and whose gradients ``end()`` rescales."""
 
     def __init__(
-        self, parameters: list[torch.Tensor], estimate: float | torch.Tensor, divisor: float
+        self, parameters: list[torch.Tensor], estimate: torch.Tensor | float, divisor: float
     ) -> None:
-        self._parameters = parameters
-        for grads in _torch.gradient_groups(parameters).values():
-            # Gradients left from before the step would be rescaled with this step's.
-            _torch.assert_true(_torch.all_zero(grads), device_message("stale_gradients"))
-        self._estimate, self._divisor = estimate, divisor
-        self._cast: dict[
-            tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.dtype, torch.Tensor]
-        ] = {}
+        # Gradients left from before the step would be rescaled with this step's.
+        _torch.check_zero_gradients(parameters, _STALE)
+        self._parameters, self._estimate, self._divisor = parameters, estimate, divisor
+        self._cast: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._host_totals: dict[str, int] = {}
         self._tensor_counts: dict[str, list[torch.Tensor]] = {}
         self._weights: list[int | torch.Tensor] = []
         self._losses: list[torch.Tensor] = []
         self.reduction: payload.Reduction | None = None
-        self._rescaled = False
+        self.total: torch.Tensor | None = None  # W, once end() has reduced and rescaled
 
     def scale(
-        self, loss: torch.Tensor, counts: dict[str, Count | None], weight_by: str, reduction: str
+        self,
+        loss: torch.Tensor,
+        counts: Mapping[str, int | torch.Tensor | None],
+        weight_by: str,
+        reduction: LossReduction,
     ) -> torch.Tensor:
         """``loss`` times its provisional factor ``w * D / E`` (or ``D / E``)."""
         for name, count in counts.items():
@@ -182,17 +179,13 @@ class ScaleAfter:
                 self._host_totals[name] = self._host_totals.get(name, 0) + count
             elif count is not None:
                 self._tensor_counts.setdefault(name, []).append(count)
-        key = (loss.device, loss.dtype)
-        if key not in self._cast:
-            nonzero = weighting.nonzero_total(self._estimate)
-            estimate = torch.as_tensor(nonzero, dtype=torch.float64).to(loss.device)
+        if (key := (loss.device, loss.dtype)) not in self._cast:
+            estimate = torch.as_tensor(self._estimate, dtype=torch.float64).to(loss.device)
             # A summed loss's factor D / E is the same for every microbatch: made once.
             shared = weighting.backward_scale(estimate, estimate, self._divisor, "sum")
-            dtype = torch.promote_types(loss.dtype, torch.float32)
-            self._cast[key] = (estimate, dtype, shared.to(dtype))
-        estimate, dtype, shared = self._cast[key]
+            self._cast[key] = (estimate, shared.to(torch.promote_types(loss.dtype, torch.float32)))
+        estimate, shared = self._cast[key]
         weight = counts[weight_by]
-        assert weight is not None
         if isinstance(weight, int):
             guarded = (
                 loss
@@ -200,6 +193,7 @@ class ScaleAfter:
                 else torch.where(torch.zeros_like(loss, dtype=torch.bool), loss, 0.0)
             )
         else:
+            assert weight is not None
             weight = weight.to(loss.device, torch.float64, non_blocking=True)
             guarded = torch.where(weight > 0, loss, 0.0)
         self._losses.append(guarded.detach().to(torch.float64, copy=True))
@@ -210,7 +204,7 @@ class ScaleAfter:
         # factor is a tensor divided by a tensor, rounded once as a count-first factor is.
         as_tensor = torch.full_like(estimate, weight) if isinstance(weight, int) else weight
         factor: torch.Tensor = weighting.backward_scale(as_tensor, estimate, self._divisor, "mean")
-        return guarded * factor.to(dtype)
+        return guarded * factor.to(shared.dtype)
 
     def finish(
         self,
@@ -218,51 +212,49 @@ class ScaleAfter:
         layout: Layout,
         codes: tuple[int, ...],
         given: tuple[bool, bool] | None,
-        loss_reduction: str,
+        loss_reduction: LossReduction,
         carried: torch.Tensor | None,
     ) -> payload.Reduction:
         """Reduce the step (once, even if called again after a failure), then rescale its
         gradients (once)."""
         (term,) = layout.terms
         if self.reduction is None:
-            self._gradients = _torch.gradient_groups(self._parameters)
-            if self._losses and not self._gradients:
+            self._groups = _torch.gradient_groups(self._parameters)
+            if self._losses and not self._groups:
                 raise error(
                     "no_gradients",
                     parameters=len(self._parameters),
                     scaled=len(self._losses),
                     step=codes[0],
                 )
-            totals = {name: self._total(name) for name in ("samples", "tokens")}
+            totals = {name: self._sum(name) for name in ("samples", "tokens")}
             device = reduction_device(collective, totals)
-            flags = {}
-            for name in layout.reported:
-                gave = given is not None and given[("samples", "tokens").index(name)]
-                flags[name] = (gave, not gave and bool(self._losses))
+            gave = {
+                name: given is not None and given[("samples", "tokens").index(name)]
+                for name in layout.reported
+            }
+            flags = {name: (g, not g and bool(self._losses)) for name, g in gave.items()}
             losses = {
                 (term.name, False): self._loss_sum(device, loss_reduction),
                 (term.name, True): carried,
             }
             self.reduction = payload.start(collective, layout, codes, device, totals, flags, losses)
-        if not self._rescaled:
+        if self.total is None:
             total = self.reduction.total(term.normaliser)
-            correction = weighting.gradient_correction(total, self._estimate)
-            for (device, _), grads in self._gradients.items():
-                # Applied at the gradients' precision or better, never rounded to bf16 first.
-                _torch.multiply(grads, correction.to(device, non_blocking=True))
-            self._rescaled = True
+            # Applied at the gradients' precision or better, never rounded to bf16 first.
+            _torch.multiply(self._groups, weighting.gradient_correction(total, self._estimate))
+            self.total = total
         return self.reduction
 
-    def _total(self, name: str) -> int | torch.Tensor:
+    def _sum(self, name: str) -> int | torch.Tensor:
         tensors, host = self._tensor_counts.get(name, []), self._host_totals.get(name, 0)
         if not tensors:
             return host
         device = accelerator_of(f"num_{name}", (t.device for t in tensors))
-        if host:
-            tensors = [*tensors, torch.tensor(host)]
+        tensors = [*tensors, torch.tensor(host)] if host else tensors
         return torch.stack([t.to(device, non_blocking=True) for t in tensors])
 
-    def _loss_sum(self, device: torch.device, loss_reduction: str) -> torch.Tensor:
+    def _loss_sum(self, device: torch.device, loss_reduction: LossReduction) -> torch.Tensor:
         if not self._losses:
             return torch.zeros((), dtype=torch.float64, device=device)
         losses = torch.stack(self._losses)
@@ -272,5 +264,32 @@ class ScaleAfter:
             weights = torch.stack(
                 [torch.as_tensor(w, device=losses.device).to(torch.float64) for w in self._weights]
             )
-        total: torch.Tensor = weighting.loss_contribution(losses, weights, loss_reduction).sum()  # type: ignore[arg-type]
-        return total
+        return weighting.loss_contribution(losses, weights, loss_reduction).sum()  # type: ignore[no-any-return]
+
+
+def float64(values: list[int], device: torch.device) -> torch.Tensor:
+    """A float64 tensor of host numbers on ``device``, made from a buffer (several times faster
+    than from a list) and moved without blocking."""
+    host = torch.frombuffer(array("d", values), dtype=torch.float64) if values else torch.zeros(0)
+    return host.to(device, torch.float64, non_blocking=True)
+
+
+def accelerator_of(what: str, devices: Iterable[torch.device]) -> torch.device:
+    """The one non-CPU device among ``devices``, or the CPU if there is none."""
+    accelerators = {device for device in devices if device.type != "cpu"}
+    if len(accelerators) > 1:
+        raise error("devices_differ", what=what, devices=sorted(map(str, accelerators)))
+    return accelerators.pop() if accelerators else torch.device("cpu")
+
+
+def reduction_device(collective: Collective, counts: Mapping[str, object]) -> torch.device:
+    """Where a step's counts are reduced: on the accelerator that holds count tensors (moving
+    them would wait for it), else on the collective's device."""
+    tensors = {name: c for name, c in counts.items() if isinstance(c, torch.Tensor)}
+    device = accelerator_of("num_samples and num_tokens", (c.device for c in tensors.values()))
+    if device.type == "cpu":
+        return collective.device
+    if not collective.can_reduce_on(device):
+        name = next(f"num_{n}" for n, c in tensors.items() if c.device == device)
+        raise error("cannot_reduce_on", name=name, device=device, reduces=collective.device.type)
+    return device

@@ -10,16 +10,15 @@ sums, and from that the fields :class:`~lossweight.StepResult` reports. A new ki
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import weighting
 from .errors import error
 
-CHOICES: dict[str, tuple[str, ...]] = {
+CHOICES = {
     "weight_by": ("tokens", "samples"),
     "loss_reduction": ("mean", "sum"),
     "loss_logging": ("end", "next_step"),
@@ -38,9 +37,9 @@ OPTIONS = (
     "loss_logging",
     "framework_divides_loss_by",
 )
-"""The options every rank shares and a saved state must match."""
+"""The options every rank shares, which a saved state must match."""
 COUNTS = ("samples", "tokens")
-"""The counts a step reports, ``StepResult.num_<count>``, in payload order."""
+"""The counts a step reports (``StepResult.num_samples``, ``.num_tokens``), in payload order."""
 CALLS = (
     "begin() of a count-first step",
     "end() of a scale-after step",
@@ -48,8 +47,8 @@ CALLS = (
     "flush()",
 )
 COUNT_FIRST_BEGIN, SCALE_AFTER_END, COUNT_FIRST_END, FLUSH = range(len(CALLS))
-# What the ranks must agree on in every reduction, one code each; the divisor D takes four
-# 16-bit codes (its float64 bits), so that two divisors that differ in any bit differ in a code.
+# What the ranks agree on in every reduction, one code each; the divisor D takes four 16-bit
+# codes (its float64 bits), so that two divisors that differ in any bit differ in a code.
 FIELDS = ("step", "call", *CHOICES, *["grad_reduction"] * 4)
 
 
@@ -66,16 +65,14 @@ class Options:
 
     def __post_init__(self) -> None:
         for name, choices in CHOICES.items():
-            value = getattr(self, name)
-            if value not in choices:
+            if getattr(self, name) not in choices:
                 expected = " or ".join(map(repr, choices))
-                raise error("bad_option", name=name, value=value, expected=expected)
+                raise error("bad_option", name=name, value=getattr(self, name), expected=expected)
         for name, expected in _POSITIVE.items():
             value = getattr(self, name)
-            is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-            if not (value in ("mean", "sum") and name == "grad_reduction") and not (
-                is_number and 0 < float(value) < math.inf
-            ):
+            number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            named = name == "grad_reduction" and value in ("mean", "sum")
+            if not named and not (number and 0 < float(value) < math.inf):
                 raise error("bad_option", name=name, value=value, expected=expected)
 
     @property
@@ -87,24 +84,11 @@ class Options:
         wrapper = weighting.gradient_divisor(self.grad_reduction, world_size)  # type: ignore[arg-type]
         return wrapper * float(self.framework_divides_loss_by)
 
-    def codes(self, step: int, call: int, divisor: float) -> tuple[int, ...]:
-        """Every agreement code of one reduction, in the order of :data:`FIELDS`."""
-        return (
-            step % 2**16,
-            call,
-            *_option_codes(self.weight_by, self.loss_reduction, self.loss_logging, divisor),
-        )
-
-
-@functools.lru_cache(maxsize=64)
-def _option_codes(
-    weight_by: str, loss_reduction: str, logging: str, divisor: float
-) -> tuple[int, ...]:
-    chosen = (weight_by, loss_reduction, logging)
-    indices = (
-        choices.index(value) for choices, value in zip(CHOICES.values(), chosen, strict=True)
-    )
-    return (*indices, *struct.unpack("<4H", struct.pack("<d", divisor)))
+    def codes(self, divisor: float) -> tuple[int, ...]:
+        """The agreement codes of the options, in the order of :data:`FIELDS` after the step
+        and the call."""
+        chosen = [CHOICES[name].index(getattr(self, name)) for name in CHOICES]
+        return (*chosen, *struct.unpack("<4H", struct.pack("<d", divisor)))
 
 
 @dataclass(frozen=True)
@@ -115,44 +99,42 @@ class Term:
     normaliser: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Layout:
-    """Where each number sits in the payload of a step with ``terms``.
-
-    In order: an agreement code per field, then their squares; the high 31-bit limb of each
-    count total, then the low limbs; for each count that normalises no term, how many ranks
-    gave it and how many lacked it; for each term, this step's loss sum and whether it was
-    non-finite, then the same for an earlier step's loss travelling with this one.
-    """
+    """Where each number sits in the payload of a step with ``terms``, in order: an agreement
+    code per field, then their squares; the high 31-bit limb of each count total, then the low
+    limbs; for each count that normalises no term (``reported``), how many ranks gave it and
+    how many with a microbatch lacked it; for each term, this step's loss sum and whether it
+    was non-finite, then the same for an earlier step's loss that travels with this one. The
+    first ``checked`` slots are checked after the sum."""
 
     terms: tuple[Term, ...]
+    reported: tuple[str, ...] = field(init=False)
+    high: dict[str, int] = field(init=False)
+    low: dict[str, int] = field(init=False)
+    flags: dict[str, int] = field(init=False)
+    loss: dict[tuple[str, bool], int] = field(init=False)
+    checked: int = field(init=False)
+    length: int = field(init=False)
 
-    @property
-    def reported(self) -> tuple[str, ...]:
-        """The counts that normalise no term: reported only where every rank knows them."""
-        return tuple(c for c in COUNTS if c not in {t.normaliser for t in self.terms})
-
-    def high(self, count: str) -> int:
-        return 2 * len(FIELDS) + COUNTS.index(count)
-
-    def low(self, count: str) -> int:
-        return self.high(count) + len(COUNTS)
-
-    @property
-    def checked(self) -> int:
-        """The slots checked after the sum: the codes, their squares and the high limbs."""
-        return 2 * len(FIELDS) + len(COUNTS)
-
-    def flags(self, count: str) -> int:
-        """(ranks that gave ``count``, ranks with a microbatch that lacked it)."""
-        return self.checked + len(COUNTS) + 2 * self.reported.index(count)
-
-    def loss(self, term: str, previous: bool = False) -> int:
-        """The loss sum of ``term``; the slot after it says whether it was non-finite."""
-        start = self.checked + len(COUNTS) + 2 * len(self.reported)
-        index = [t.name for t in self.terms].index(term)
-        return start + 4 * index + 2 * previous
-
-    @property
-    def length(self) -> int:
-        return self.loss(self.terms[-1].name, previous=True) + 2
+    def __post_init__(self) -> None:
+        normalisers = {term.normaliser for term in self.terms}
+        reported = tuple(count for count in COUNTS if count not in normalisers)
+        start = 2 * len(FIELDS)
+        values = {
+            "reported": reported,
+            "high": {count: start + i for i, count in enumerate(COUNTS)},
+            "low": {count: start + len(COUNTS) + i for i, count in enumerate(COUNTS)},
+            "checked": start + len(COUNTS),
+        }
+        start += 2 * len(COUNTS)
+        values["flags"] = {count: start + 2 * i for i, count in enumerate(reported)}
+        start += 2 * len(reported)
+        values["loss"] = {
+            (term.name, previous): start + 4 * i + 2 * previous
+            for i, term in enumerate(self.terms)
+            for previous in (False, True)
+        }
+        values["length"] = start + 4 * len(self.terms)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)

@@ -38,3 +38,52 @@ def test_row(row: dict[str, str]) -> None:
         exec(row["code"], namespace)
     assert type(raised.value) is ERRORS[row["error"]]
     assert row["message"] in str(raised.value)
+
+
+# Codes no single-process row can raise: ranks that disagree (tests/test_faults.py and
+# tests/test_device_checks.py), the fragments of their message, counts on two accelerators, and
+# the checks inside a compiled graph that the rows above do not reach (tests/test_compile.py).
+ELSEWHERE = {
+    "cannot_be_reduced",
+    "differ_step",
+    "differ_call",
+    "differ_mode",
+    "differ_choice",
+    "differ_divisor",
+    "differ_total",
+    "disagree",
+    "total_too_large",
+    "devices_differ",
+    "traced_after_eager",
+    "graph_asserts",
+}
+
+
+def code_of(exception: BaseException) -> set[str]:
+    """The codes of the table whose template, its fields filled with anything, is the message."""
+    found = set()
+    for code, (kind, template) in lossweight.errors.MESSAGES.items():
+        pattern = ".*?".join(map(re.escape, re.split(r"\{[^}]*\}", template)))
+        if type(exception) is kind and re.fullmatch(pattern, str(exception), re.S):
+            found.add(code)
+    return found
+
+
+def test_every_code_of_the_table_has_a_row() -> None:
+    assert SETUP is not None
+    raised: set[str] = set()
+    for row in ROWS:
+        namespace: dict[str, object] = {"__name__": "errors_page"}
+        exec(SETUP.group(1), namespace)
+        with pytest.raises(Exception) as info:
+            exec(row["code"], namespace)
+        codes = code_of(info.value)
+        if (
+            row["code"].startswith("lossweight.count_tokens")
+            or "token_cross_entropy" in row["code"]
+        ):
+            continue  # the counting helpers' own errors
+        assert codes, f"{row['code']} raised {info.value!r}, which no code of the table makes"
+        raised |= codes
+    missing = set(lossweight.errors.MESSAGES) - raised - ELSEWHERE
+    assert not missing, f"codes without a row in docs/errors.md: {sorted(missing)}"

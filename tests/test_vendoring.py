@@ -9,21 +9,9 @@ import sys
 from pathlib import Path
 
 import lossweight
+from benchmarks.core_size import ACCUMULATOR_FILES
 
 PACKAGE = Path(lossweight.__file__).parent
-ACCUMULATOR_FILES = [
-    "weighting.py",
-    "terms.py",
-    "machine.py",
-    "errors.py",
-    "_torch.py",
-    "payload.py",
-    "collectives.py",
-    "validate.py",
-    "steps.py",
-    "result.py",
-    "accumulator.py",
-]
 
 
 def run_isolated(tmp_path: Path, code: str) -> None:

@@ -54,10 +54,9 @@ import torch.distributed as dist
 from accelerate import Accelerator  # type: ignore[import-untyped]  # ships no py.typed
 from accelerate.utils import DistributedType  # type: ignore[import-untyped]
 
-from ..accumulator import Accumulator, StepContext
+from ..accumulator import Accumulator, Count, Counts, StepContext
 from ..machine import COUNT_FIRST
 from ..result import StepResult
-from ..validate import Count, Counts
 from ..weighting import GradReduction, LossReduction
 
 __all__ = ["AcceleratorAccumulator"]

@@ -40,9 +40,8 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 
-from ..accumulator import Accumulator
+from ..accumulator import Accumulator, Count
 from ..result import StepResult
-from ..validate import Count
 from ..weighting import GradReduction, LossReduction
 
 __all__ = ["LossweightCallback"]

@@ -1,0 +1,71 @@
+"""Ranks that disagree, as far as a CPU machine can show both paths of the check.
+
+On the CPU the check of a reduction raises DisagreementError at once, on every rank. On an
+accelerator reading the verdict would wait for the device, so the reduced numbers become NaN
+there and the verdict is copied to the host without waiting; the next call every rank makes
+raises the same DisagreementError once the copy has landed. Here the CPU is sent down the
+accelerator's path (its verdict lands at once), and both paths must say the same words.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from lossweight import Accumulator, DisagreementError, payload
+from lossweight.errors import MESSAGES
+from lossweight.terms import Layout, Options
+from lossweight.testing import InProcessCollective, InProcessGroup
+
+
+def disagreeing_step(rank: int, collective: InProcessCollective) -> tuple[str, str, float]:
+    """A count-first step whose ranks differ in grad_reduction: (where it raised, the message,
+    the gradient the step left)."""
+    acc = Accumulator(
+        loss_reduction="sum", grad_reduction=["mean", "sum"][rank], collective=collective
+    )
+    p = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    where = "begin"
+    try:
+        acc.begin(num_tokens=[2, 1])
+        where = "scale_loss"
+        for count in (2, 1):
+            acc.scale_loss((p + 1.0) * count).backward()
+        where = "end"
+        acc.end()
+        where = "nowhere"
+    except DisagreementError as error:
+        assert p.grad is None or not math.isfinite(p.grad.item()) or where == "scale_loss"
+        return where, str(error), math.nan if p.grad is None else p.grad.item()
+    return where, "", math.nan
+
+
+def test_a_disagreement_says_the_same_on_the_host_and_on_the_device_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    on_host = InProcessGroup(2).run(disagreeing_step)
+    assert [where for where, _, _ in on_host] == ["scale_loss", "scale_loss"]
+    monkeypatch.setattr(payload, "CHECKED_ON_HOST", ())  # the CPU as an accelerator
+    deferred = InProcessGroup(2).run(disagreeing_step)
+    # The factors were NaN, so no finite wrong gradient was made; end(), the next call every
+    # rank makes, raised.
+    assert [where for where, _, _ in deferred] == ["end", "end"]
+    assert all(math.isnan(gradient) for _, _, gradient in deferred)
+    for (_, host_message, _), (_, device_message, _) in zip(on_host, deferred, strict=True):
+        assert "the ranks differ in grad_reduction" in host_message
+        assert device_message == host_message
+
+
+def test_the_compiled_checks_say_the_table_s_words() -> None:
+    # The asserts a compiled graph keeps carry fixed texts: each is a row of the one table,
+    # its fields filled in.
+    patterns = [
+        ".*?".join(map(re.escape, re.split(r"\{[^}]*\}", template)))
+        for _, template in MESSAGES.values()
+    ]
+    assert len(payload._ASSERT_MESSAGES) == Layout(Options("sum").terms).checked
+    for message in payload._ASSERT_MESSAGES:
+        assert any(re.fullmatch(pattern, message) for pattern in patterns), message
