@@ -31,13 +31,18 @@ def untraced(message: str, run: Callable[[], T]) -> T:
 
 
 def gradient_groups(parameters: list[torch.Tensor]) -> Groups:
-    """The parameters' gradients that exist, by device and dtype for the foreach calls. A
-    DTensor gradient (FSDP2) is taken through its local shard, all this rank holds."""
+    """The parameters' gradients that exist, by device and dtype for the foreach calls, each
+    once: two parameters whose gradient is the same memory are rescaled once. A DTensor
+    gradient (FSDP2) is taken through its local shard, all this rank holds."""
     groups: Groups = defaultdict(list)
+    seen = set()
     for parameter in parameters:
         if (grad := parameter.grad) is not None:
             local = grad.to_local() if hasattr(grad, "to_local") else grad
-            groups[(local.device, local.dtype)].append(local)
+            key = (local.data_ptr(), local.shape, local.stride(), local.device, local.dtype)
+            if local.device.type == "meta" or key not in seen:  # meta memory has no address
+                seen.add(key)
+                groups[(local.device, local.dtype)].append(local)
     return groups
 
 
@@ -80,5 +85,7 @@ class Verdict:
         if self._event is not None:
             self._event.record()
 
-    def ready(self) -> bool:
+    def ready(self, wait: bool = False) -> bool:
+        if self._event is not None and wait:
+            self._event.synchronize()
         return self._event is None or self._event.query()

@@ -95,10 +95,9 @@ class Accumulator:
         self.layout = terms.Layout(self.options.terms)
         self.state = machine.State(weight_by, loss_logging)
         self._resolver = CollectiveResolver(group, collective)
-        self._estimate: float | torch.Tensor | payload.Reduction = float(weight_estimate)
         self._tensors: CountFirst | ScaleAfter | None = None
         self._collective: Collective | None = None
-        self._flight = _InFlight()
+        self._flight = _InFlight(float(weight_estimate))
 
     weight_by: _Option[WeightBy] = _Option()
     loss_reduction: _Option[LossReduction] = _Option()
@@ -139,9 +138,7 @@ class Accumulator:
             tensors = CountFirst(collective, self.layout, codes, counts, carried, divisor)
             self._flight.add(tensors.reduction)
         else:
-            if isinstance(self._estimate, payload.Reduction):  # the last step counted first
-                self._estimate = self._estimate.total(self.weight_by)
-            tensors = ScaleAfter(params, self._estimate, divisor)
+            tensors = ScaleAfter(params, self._flight.estimated(self.options), divisor)
         self.state, self._tensors, self._collective = state, tensors, collective
         return StepContext(self, state.steps)
 
@@ -202,7 +199,7 @@ class Accumulator:
         assert step is not None and tensors is not None and collective is not None
         if isinstance(tensors, CountFirst):
             result = self._end_count_first(step, tensors, collective)
-            self._estimate = tensors.reduction
+            self._flight.estimate = tensors.reduction
         else:
             self._flight.settle()
             codes, carried = (
@@ -215,7 +212,7 @@ class Accumulator:
             self._flight.add(reduction)
             result = StepResult(step.number, reduction, reduction, [])
             assert tensors.total is not None
-            self._estimate = tensors.total
+            self._flight.estimate = tensors.total
         self.state, self._tensors = state, None
         return result
 
@@ -231,6 +228,7 @@ class Accumulator:
         """Reduce a loss ``loss_logging="next_step"`` left waiting, on every rank after the last
         step: one all-reduce when a loss waits, waited for before it returns."""
         state, waits = machine.flush(self.state)
+        self._flight.settle(verdicts=True)  # the run may end here: wait for an accelerator's
         if waits and self._flight.pending is not None:
             collective = self._resolver.resolve()
             self._flight.adopt(collective, self.options)
@@ -245,13 +243,14 @@ class Accumulator:
         """The step counter, the estimate of ``W`` and the options, as plain values that load
         at any world size. Call :meth:`flush` first to log a waiting loss."""
         machine.idle(self.state, "state_dict")
-        estimate = self._estimate
-        if isinstance(estimate, payload.Reduction):
-            estimate = estimate.total(self.weight_by)
+        estimate = self._flight.estimated(self.options)
+        estimate = estimate if isinstance(estimate, float) else estimate.item()
         return {
             "format": _STATE_FORMAT,
             "steps": self.state.steps,
-            "weight_estimate": estimate if isinstance(estimate, float) else estimate.item(),
+            "weight_estimate": estimate
+            if math.isfinite(estimate)
+            else self.options.weight_estimate,
             "options": {name: getattr(self.options, name) for name in terms.OPTIONS},
         }
 
@@ -259,8 +258,8 @@ class Accumulator:
         """Continue from ``state_dict()``'s value, saved with the same options."""
         machine.idle(self.state, "load_state_dict")
         steps, estimate = _checked_state(state_dict, self.options)
-        self.state, self._estimate = machine.load(self.state, steps), estimate
-        self._flight.pending = None
+        self.state = machine.load(self.state, steps)
+        self._flight.estimate, self._flight.pending = estimate, None
 
     def __getstate__(self) -> dict[str, Any]:
         if self._resolver.explicit:
@@ -280,7 +279,8 @@ class Accumulator:
     def _end_count_first(
         self, step: machine.Step, tensors: CountFirst, collective: Collective
     ) -> StepResult:
-        unrecorded = step.unrecorded if step.factored else []
+        # A compiled step takes every microbatch through scale_loss(): its reads take none.
+        unrecorded = step.unrecorded if step.factored and tensors.cursor is None else []
         loss_sum = tensors.loss_sum(self.loss_reduction, known=not unrecorded)
         if self.loss_logging == "next_step":
             self._flight.pending = PendingLoss(loss_sum)
@@ -295,13 +295,24 @@ class Accumulator:
 
 class _InFlight:
     """The reductions: the world they run in (its size, ``D`` and the options' agreement
-    codes), those started and not yet checked, and the loss of a count-first step that waits
-    (``loss_logging="next_step"``) for the next reduction to carry it."""
+    codes), those started and not yet checked, the loss of a count-first step that waits
+    (``loss_logging="next_step"``) for the next reduction to carry it, and the last step's
+    ``W`` that the next scale-after step assumes (its reduction, until first needed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, estimate: float) -> None:
         self.world: tuple[int, float, tuple[int, ...]] = (0, 1.0, ())
         self.unsettled: list[payload.Reduction] = []
         self.pending: PendingLoss | None = None
+        self.estimate: float | torch.Tensor | payload.Reduction = estimate
+
+    def estimated(self, options: terms.Options) -> float | torch.Tensor:
+        """The ``E`` of the next scale-after step; the option's if the last reduction failed."""
+        estimate = self.estimate
+        if isinstance(estimate, payload.Reduction):
+            failed = estimate.failed
+            estimate = options.weight_estimate if failed else estimate.total(options.weight_by)
+            self.estimate = estimate
+        return estimate
 
     def adopt(self, collective: Collective, options: terms.Options) -> float:
         """``D`` for this world, and its codes (made when the world's size changes)."""
@@ -338,15 +349,16 @@ class _InFlight:
         self.add(reduction)
         return reduction
 
-    def settle(self) -> None:
+    def settle(self, verdicts: bool = False) -> None:
         """Check every reduction started so far before a new one starts, so that a
         disagreement surfaces at the reduction that paired it (on an accelerator, at the first
-        call after its verdict reached the host)."""
+        call after its verdict reached the host). ``verdicts``: only those whose verdict is on
+        its way from an accelerator, waiting for it."""
         unsettled, self.unsettled = self.unsettled, []
         for index, reduction in enumerate(unsettled):
             try:
-                if not reduction.settled:
-                    reduction.settle()
+                if not reduction.settled and (not verdicts or reduction.awaiting):
+                    reduction.settle(wait=verdicts)
             except BaseException:
                 self.unsettled.extend(unsettled[index + 1 :])
                 raise
@@ -469,21 +481,27 @@ def _check_loss(loss: object) -> None:
 
 
 def _parameter_list(parameters: object) -> list[torch.Tensor]:
-    """Scale-after parameters as a list: tensors, or (name, tensor) pairs."""
+    """Scale-after parameters as a list, each once (a tied weight listed twice would be
+    rescaled twice): tensors, (name, tensor) pairs, a module's, or an optimizer's (all its
+    groups)."""
+    if isinstance(parameters, torch.nn.Module):
+        parameters = parameters.parameters()
+    elif isinstance(parameters, torch.optim.Optimizer):
+        parameters = [p for group in parameters.param_groups for p in group["params"]]
     if isinstance(parameters, torch.Tensor) or not isinstance(parameters, Iterable):
         shown = repr(parameters)
         if isinstance(parameters, torch.Tensor):
             shown = f"a tensor of shape {tuple(parameters.shape)}"
         raise error("parameters_type", shown=shown)
-    found = []
+    found: dict[int, torch.Tensor] = {}
     for index, item in enumerate(parameters):
         tensor = item[1] if isinstance(item, tuple) and len(item) == 2 else item
         if not isinstance(tensor, torch.Tensor):
             raise error("parameter_type", index=index, value=item)
-        found.append(tensor)
+        found.setdefault(id(tensor), tensor)
     if not found:
         raise error("no_parameters")
-    return found
+    return list(found.values())
 
 
 def _checked_state(state_dict: object, options: terms.Options) -> tuple[int, float]:

@@ -129,6 +129,8 @@ class CollectiveResolver:
     def __init__(self, group: dist.ProcessGroup | None, collective: Collective | None) -> None:
         if collective is not None and group is not None:
             raise error("group_and_collective", group=group, collective=collective)
+        if isinstance(collective, type):
+            raise error("collective_class", value=collective, name=collective.__name__)
         if collective is not None and not isinstance(collective, Collective):
             raise error("not_a_collective", value=collective)
         self.explicit = collective is not None or group is not None

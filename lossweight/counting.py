@@ -94,6 +94,11 @@ def _targets(
         )
     if labels.dim() == 0:
         raise ValueError("labels is a 0-dim tensor; pass labels of shape (..., sequence)")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(
+            f"ignore_index={ignore_index!r} is not an int; pass the label of the positions "
+            "without a target (-100, the default of PyTorch and Hugging Face)"
+        )
     if mask is not None and mask.shape != labels.shape:
         raise ValueError(
             f"mask has shape {tuple(mask.shape)} but labels {tuple(labels.shape)}; pass a mask "

@@ -1,17 +1,16 @@
 """The rules of an optimizer step, as a pure state machine.
 
-A :class:`State` is a frozen value. Each transition takes a state and what a call asked for,
-and returns the next state, or raises the coded usage error of the rule it breaks; a call that
-raises changes nothing. It imports only the pure errors.py and terms.py, so its rules can be
-property-tested without torch. The Accumulator applies a transition, then runs its effects on
-tensors; integrations read ``accumulator.state`` instead of keeping copies.
+A :class:`State` is a frozen value. A transition takes a state and what a call asked for, and
+returns the next state or raises the coded error of the rule it breaks (changing nothing). It
+imports only the pure errors.py and terms.py, so its rules are property-tested without torch.
+Integrations read ``accumulator.state`` instead of keeping copies.
 
-Which calls take a microbatch of a count-first step: ``scale_loss()`` takes the next one;
-``backward_scale(i)`` gives microbatch ``i`` its factor; ``record_loss(i, loss)`` hands over
-the loss of a microbatch that took its factor so. ``end()`` requires every declared microbatch
-to be taken by one of the first two. A compiled ``scale_loss()`` counts its microbatches on
-the device: the caller says so (``traced``), since a graph must not depend on a value that
-changes with each step.
+In a count-first step, ``scale_loss()`` takes the next microbatch, ``backward_scale(i)`` gives
+microbatch ``i`` its factor, and ``record_loss(i, loss)`` hands over the loss of a microbatch
+taken so; ``end()`` wants every declared microbatch taken (where ``scale_loss()`` took some,
+a factor read alone does not take one: its loss must be recorded). A compiled
+``scale_loss()`` counts on the device: the caller says so (``traced``), since a graph must not
+read a per-step value.
 """
 
 from __future__ import annotations
@@ -138,7 +137,11 @@ def record(state: State, microbatch: object) -> tuple[State, int]:
 
 def end(state: State, traced: bool) -> State:
     step = open_step(state, "end")
-    missing = [i for i in range(step.scaled, step.declared) if i not in step.factored]
+    # A microbatch is taken by scale_loss(), or by backward_scale(i) in a loop that scales by
+    # itself. Where scale_loss() took some, a factor read is no proof that its loss was
+    # scaled: record_loss(i, loss) is.
+    taken = set(range(step.scaled)) | (step.recorded if step.scaled else step.factored)
+    missing = [i for i in range(step.declared) if i not in taken]
     if step.mode == COUNT_FIRST and not traced and missing:
         raise error(
             "too_few", scaled=step.scaled, declared=step.declared, step=step.number, missing=missing

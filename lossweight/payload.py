@@ -1,17 +1,13 @@
 """The one payload every reduction of a step sums, and the check that the ranks agree.
 
-Whatever the mode and the options, every all-reduce sums a float64 vector laid out by
-:class:`lossweight.terms.Layout`, so that two ranks whose calls are paired wrongly never read
-each other's numbers as something else. Agreement codes are summed with their squares: over
-``R`` ranks the sums are ``R * c`` and ``R * c**2`` on every rank if and only if every rank
-sent the same ``c`` (codes are below 2**16: exact for up to 2**21 ranks). Count totals travel
-as two 31-bit limbs, exact below 2**62.
-
-A disagreement, or a total of 2**62 or more, fails the check when the result is first used:
-on the CPU as a :class:`DisagreementError` on every rank, at once; in a compiled graph as an
-assert with the table's fixed message. On an accelerator the reduced numbers become NaN on the
-device, and the next call every rank makes raises the CPU's DisagreementError, word for word,
-once the verdict has reached the host (:meth:`Reduction.settle`): no host sync is added.
+Every all-reduce sums a float64 vector laid out by :class:`lossweight.terms.Layout`, so that
+ranks whose calls are paired wrongly never read each other's numbers as something else.
+Agreement codes are summed with their squares: over ``R`` ranks the sums are ``R * c`` and
+``R * c**2`` if and only if every rank sent the same ``c``. Count totals travel as two 31-bit
+limbs, exact below 2**62. A failed check raises :class:`DisagreementError` on every rank: at
+once on the CPU; in a compiled graph, as an assert with the table's fixed text; on an
+accelerator, at the next call every rank makes, once the verdict reaches the host (the reduced
+numbers are NaN meanwhile), with no host sync.
 """
 
 from __future__ import annotations
@@ -97,6 +93,16 @@ class Reduction:
     def device(self) -> torch.device:
         return self._payload.device
 
+    @property
+    def awaiting(self) -> bool:
+        """Whether an accelerator's verdict on the check is on its way to the host."""
+        return self._verdict is not None
+
+    @property
+    def failed(self) -> bool:
+        """Whether the check failed and raised its DisagreementError."""
+        return self._error is not None
+
     def wait(self) -> None:
         """Wait for the all-reduce (once), without checking it."""
         if self._handle is not None:
@@ -116,13 +122,13 @@ class Reduction:
             self._check()
         return self._payload
 
-    def settle(self) -> None:
+    def settle(self, wait: bool = False) -> None:
         """Check the reduction, raising its DisagreementError once; on an accelerator, once its
-        verdict has reached the host (until then ``settled`` stays False)."""
+        verdict has reached the host (until then ``settled`` stays False), or waiting for it."""
         if self._error is None:
             self.result()
         verdict = self._verdict
-        if verdict is not None and verdict.ready():
+        if verdict is not None and verdict.ready(wait):
             self._verdict = None
             if bool(verdict.failed.any()):  # a host tensor: no sync
                 self._fail(~verdict.failed, self._unsummed)
@@ -138,12 +144,13 @@ class Reduction:
         """One count total over every rank as int64, exact; -1 for a reported count unless
         some rank gave it and no rank with a microbatch lacked it."""
         payload, layout = self.result(), self.layout
-        limbs = payload[[layout.high[count], layout.low[count]]].to(torch.int64)
-        total = limbs[0] * LIMB + limbs[1]
-        if count not in layout.reported:
-            return total
-        gave, lacked = payload[layout.flags[count]], payload[layout.flags[count] + 1]
-        return torch.where((gave > 0) & (lacked == 0), total, -1)
+        limbs = payload[[layout.high[count], layout.low[count]]]
+        total = limbs[0].to(torch.int64) * LIMB + limbs[1].to(torch.int64)
+        known = limbs[0] == limbs[0]  # False where a failed check on a device made it NaN
+        if count in layout.reported:
+            gave, lacked = payload[layout.flags[count]], payload[layout.flags[count] + 1]
+            known = known & (gave > 0) & (lacked == 0)
+        return torch.where(known, total, -1)
 
     def loss(self, term: str, previous: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(a loss sum over every rank, whether any rank's was non-finite)."""

@@ -1,13 +1,10 @@
 """The tensors of an open step, one class per mode; every number comes from weighting.py.
 
-- :class:`CountFirst`: every count is known at ``begin()``. Its reduction starts there and
-  overlaps the first forward; each microbatch's factor is final, and no gradient is touched.
-- :class:`ScaleAfter`: counts come with each loss. Each microbatch is back-propagated with a
-  provisional factor against an estimate ``E`` of the global weight, and ``end()`` reduces the
-  counts, then multiplies every gradient by ``E / W`` in one pass.
-
-Which microbatch a call takes, and whether it may, is the step machine's decision; these
-classes do the arithmetic on tensors and read nothing back to the host.
+:class:`CountFirst` knows every count at ``begin()``: its reduction overlaps the first forward,
+and each factor is final. :class:`ScaleAfter` gets the counts with each loss: it scales by a
+provisional factor against an estimate ``E`` of the global weight, then ``end()`` reduces and
+multiplies every gradient by ``E / W``. Which microbatch a call takes is the step machine's
+decision; these classes do the arithmetic and read nothing back to the host.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from .terms import Layout
 from .weighting import LossReduction
 
 Counts = dict[str, list[int] | torch.Tensor | None]
-_STALE = device_message("stale_gradients")
+_STALE, _UNSCALED = device_message("stale_gradients"), device_message("unscaled_gradients")
 
 
 class CountFirst:
@@ -219,14 +216,7 @@ class ScaleAfter:
         gradients (once)."""
         (term,) = layout.terms
         if self.reduction is None:
-            self._groups = _torch.gradient_groups(self._parameters)
-            if self._losses and not self._groups:
-                raise error(
-                    "no_gradients",
-                    parameters=len(self._parameters),
-                    scaled=len(self._losses),
-                    step=codes[0],
-                )
+            self._groups = self._gradients(codes[0])
             totals = {name: self._sum(name) for name in ("samples", "tokens")}
             device = reduction_device(collective, totals)
             gave = {
@@ -245,6 +235,16 @@ class ScaleAfter:
             _torch.multiply(self._groups, weighting.gradient_correction(total, self._estimate))
             self.total = total
         return self.reduction
+
+    def _gradients(self, step: int) -> _torch.Groups:
+        """The step's gradients: some where a loss went through scale_loss(), else none that
+        is nonzero (a backward that scale_loss() did not scale)."""
+        groups, scaled = _torch.gradient_groups(self._parameters), len(self._losses)
+        if not scaled and groups:
+            _torch.check_zero_gradients(self._parameters, _UNSCALED)
+        if scaled and not groups:
+            raise error("no_gradients", parameters=len(self._parameters), scaled=scaled, step=step)
+        return groups
 
     def _sum(self, name: str) -> int | torch.Tensor:
         tensors, host = self._tensor_counts.get(name, []), self._host_totals.get(name, 0)

@@ -1,22 +1,14 @@
 """The weighting math of one optimizer step, with no dependencies.
 
-This module imports nothing, not even the rest of lossweight: copy it alone into another
-project, or property-test it without torch. ``docs/math.md`` derives every formula.
+It imports nothing, not even the rest of lossweight: copy it alone, or property-test it
+without torch. ``docs/math.md`` derives every formula. For one step: ``weight`` is a
+microbatch's weight ``w`` (the items its loss covers); ``total`` the global weight ``W``, the
+sum of ``w`` over every microbatch of every rank; ``divisor`` is ``D``, what the data-parallel
+wrapper divides the ranks' summed gradients by; ``loss_reduction`` whether a microbatch's loss
+is the mean or the sum of its items' losses.
 
-Notation, for one optimizer step:
-
-- ``weight``: the weight ``w`` of one microbatch, the number of items its loss covers
-  (samples, or loss-generating tokens).
-- ``total``: the global weight ``W``, the sum of ``w`` over every microbatch of every
-  data-parallel rank in the step.
-- ``divisor``: ``D``, what the data-parallel wrapper divides the summed gradients of the ranks
-  by (the number of ranks for DDP and FSDP, 1 for a summing wrapper).
-- ``loss_reduction``: whether the loss ``l`` of a microbatch is the mean or the sum of its
-  items' losses.
-
-Every function is branch-free arithmetic. It takes Python numbers, and takes torch tensors just
-as well: then it works element-wise on the tensors' device and never reads a value back to the
-host, so the library's hot path calls these same functions.
+Every function is branch-free arithmetic on Python numbers or, just as well, on torch tensors,
+element-wise on their device with no read back to the host: the step applies these functions.
 """
 
 from __future__ import annotations

@@ -403,3 +403,25 @@ def test_a_framework_that_divides_the_loss_is_accounted_for(scale_after: bool) -
     result = acc.end()
     assert x.grad.item() == pytest.approx(2.0, rel=1e-15)  # d/dx of 8 items of loss 2x, mean
     assert result.loss.item() == 2.0
+
+
+def test_factors_read_for_a_log_do_not_take_microbatches_that_scale_loss_missed() -> None:
+    # Every factor read up front, then one loss scaled by hand without record_loss() and one
+    # through scale_loss(), which takes microbatch 0 again: the gradient is wrong (8.25 for
+    # 3.25), and end() says so instead of accepting the step.
+    p = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    acc = Accumulator(loss_reduction="mean")
+    acc.begin(num_tokens=[3, 1])
+    factors = [acc.backward_scale(i) for i in range(2)]
+    ((p + 2) * factors[0]).backward()
+    acc.scale_loss((p + 2) * 10).backward()
+    with pytest.raises(RuntimeError, match=r"microbatches \[1\] were not taken"):
+        acc.end()
+    acc.abandon()
+    # Read for a log, then every loss through scale_loss(): a step as before.
+    p.grad = None
+    acc.begin(num_tokens=[3, 1])
+    assert [acc.backward_scale(i).item() for i in range(2)] == [0.75, 0.25]
+    for value in (1.0, 5.0):
+        acc.scale_loss(p + value).backward()
+    assert acc.end().loss.item() == 2.0 and p.grad.item() == 1.0

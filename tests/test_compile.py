@@ -137,3 +137,17 @@ def test_a_step_is_compiled_from_its_first_microbatch_or_not_at_all() -> None:
     with pytest.raises(RuntimeError, match="end\\(\\) was called before every microbatch"):
         acc.end()
     acc.abandon()
+
+
+def test_factors_read_in_eager_code_keep_a_compiled_step_s_loss() -> None:
+    # A compiled step takes every microbatch through scale_loss(), counted on the device: its
+    # factor reads take none, and its logged loss is known.
+    acc = Accumulator(loss_reduction="sum")
+    microbatch, layer = compiled(acc)
+    features = torch.ones(2, 4)
+    acc.begin(num_tokens=[3, 1])
+    for index in range(2):
+        acc.backward_scale(index)
+        microbatch(features).backward()
+    result = acc.end()
+    torch.testing.assert_close(result.loss, (2 * layer(features).sum() / 4).double())

@@ -22,7 +22,7 @@ def size() -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("total lines", lambda s: s.total_lines, "<=", 1930),
+    ("total lines", lambda s: s.total_lines, "<=", 1960),
     ("torch-free lines", lambda s: s.torch_free_lines, ">=", 350),
     ("longest class", lambda s: s.longest_class.lines, "<=", 250),
     ("longest function", lambda s: s.longest_function.lines, "<=", 40),

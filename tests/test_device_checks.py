@@ -69,3 +69,33 @@ def test_the_compiled_checks_say_the_table_s_words() -> None:
     assert len(payload._ASSERT_MESSAGES) == Layout(Options("sum").terms).checked
     for message in payload._ASSERT_MESSAGES:
         assert any(re.fullmatch(pattern, message) for pattern in patterns), message
+
+
+def last_scale_after_step(rank: int, collective: InProcessCollective) -> tuple[str, str]:
+    """A run whose last step, scaled after, has ranks that differ in grad_reduction, and that
+    ends with flush(): (where it raised, the message)."""
+    acc = Accumulator(
+        loss_reduction="sum", grad_reduction=["mean", "sum"][rank], collective=collective
+    )
+    p = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    where = "end"
+    try:
+        acc.begin(parameters=[p])
+        acc.scale_loss((p + 1.0) * 2, num_tokens=2).backward()
+        acc.end()
+        where = "flush"
+        acc.flush()
+    except DisagreementError as error:
+        return where, str(error)
+    return "nowhere", ""
+
+
+def test_flush_reports_the_last_step_s_disagreement_on_the_device_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    on_host = InProcessGroup(2).run(last_scale_after_step)
+    assert [where for where, _ in on_host] == ["end", "end"]
+    monkeypatch.setattr(payload, "CHECKED_ON_HOST", ())
+    deferred = InProcessGroup(2).run(last_scale_after_step)
+    assert [where for where, _ in deferred] == ["flush", "flush"]
+    assert [message for _, message in deferred] == [message for _, message in on_host]

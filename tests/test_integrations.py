@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -280,3 +281,45 @@ def test_ranks_that_disagree_fail_inside_the_compiled_graph(compiled: list[dict]
     for outcome in compiled:
         assert outcome["disagreement"] is not None
         assert "the data-parallel ranks disagree on grad_reduction" in outcome["disagreement"]
+
+
+ACCELERATE_COMPILED = """
+import torch
+from accelerate import Accelerator
+
+from lossweight.integrations.accelerate import AcceleratorAccumulator
+
+torch.manual_seed(0)
+accelerator = Accelerator(gradient_accumulation_steps=3, cpu=True)
+model, optimizer = accelerator.prepare(
+    torch.nn.Linear(4, 1).double(), torch.optim.SGD(torch.nn.Linear(4, 1).parameters(), lr=0.0)
+)
+lw = AcceleratorAccumulator(accelerator, model, loss_reduction="sum")
+microbatch = torch.compile(lambda x: lw.scale_loss(model(x).sum()), fullgraph=True)
+data = [torch.randn(2, 4, dtype=torch.float64) for _ in range(5)]  # the last step is short
+ends, grads = [], []
+for window in lw.windows(data):
+    lw.begin(num_tokens=[2] * len(window))
+    for x in window:
+        with lw.accumulate():
+            accelerator.backward(microbatch(x))
+            ends.append(lw.end_if_sync() is not None)
+    grads.append(model.weight.grad.clone())
+    expected = sum(torch.autograd.grad(model(x).sum(), model.weight)[0] for x in window)
+    torch.testing.assert_close(grads[-1], expected / (2 * len(window)), rtol=1e-12, atol=0)
+    model.zero_grad()
+assert ends == [False, False, True, False, True], ends
+print("ok")
+"""
+
+
+def test_accelerate_ends_each_step_when_scale_loss_is_compiled(tmp_path: Path) -> None:
+    # A compiled scale_loss() counts its microbatches on the device, so the step machine's
+    # count of scaled microbatches stays 0: the helper finds each step's last microbatch by
+    # its own accumulate() blocks. Before, no step ever ended.
+    script = tmp_path / "accelerate_compiled.py"
+    script.write_text(ACCELERATE_COMPILED)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, timeout=300, capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

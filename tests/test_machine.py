@@ -188,7 +188,7 @@ class MachineModel(RuleBasedStateMachine):
         step = self.step
         error = self.closed_error()
         if step is not None and step.count_first and not step.traced:
-            taken = set(range(step.scaled)) | step.factored
+            taken = set(range(step.scaled)) | (step.recorded if step.scaled else step.factored)
             error = "too_few" if not taken >= set(range(step.declared)) else None
         state = self.apply(error, lambda: machine.end(self.state, step is not None and step.traced))
         if error is None:

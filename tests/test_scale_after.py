@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -313,3 +315,66 @@ def test_bad_weight_estimate(estimate: object) -> None:
         ValueError, match=rf"weight_estimate={estimate!r} is not supported; pass a positive number"
     ):
         Accumulator(loss_reduction="mean", weight_estimate=estimate)  # type: ignore[arg-type]
+
+
+class Tied(torch.nn.Module):
+    """An encoder and a decoder that share one embedding, as tied language models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = torch.nn.Embedding(4, 1, dtype=torch.float64)
+        torch.nn.init.ones_(shared.weight)
+        self.encoder = torch.nn.Sequential(shared)
+        self.decoder = torch.nn.Sequential(shared)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.decoder(tokens).sum() + self.encoder(tokens).sum()
+
+
+@pytest.mark.parametrize(
+    "listing",
+    ["chain", "twice", "module", "optimizer"],
+)
+def test_every_gradient_is_rescaled_once_however_the_parameters_are_listed(listing: str) -> None:
+    # Each microbatch's summed loss is 2 * count * w (each of count tokens looks the shared
+    # weight up twice): the step's token mean has gradient 2 for the looked-up row. Listed
+    # twice, the shared weight was rescaled twice before (0.25 for 1, and 0.1 for the same
+    # tensor twice): now every gradient is rescaled once.
+    model = Tied()
+    optimizer = torch.optim.SGD(
+        [{"params": model.encoder.parameters()}, {"params": [torch.nn.Parameter(torch.ones(1))]}],
+        lr=0.1,
+    )
+    parameters = {
+        "chain": lambda: itertools.chain(model.encoder.parameters(), model.decoder.parameters()),
+        "twice": lambda: [model.encoder[0].weight, model.encoder[0].weight],
+        "module": lambda: model,
+        "optimizer": lambda: optimizer,
+    }[listing]()
+    acc = Accumulator(loss_reduction="sum", weight_estimate=10.0)
+    acc.begin(parameters=parameters)
+    for count in (3, 1):
+        tokens = torch.zeros(count, dtype=torch.int64)
+        acc.scale_loss(model(tokens), num_tokens=count).backward()
+    acc.end()
+    assert model.encoder[0].weight.grad[0].item() == pytest.approx(2.0, rel=1e-15)
+
+
+def test_a_step_whose_losses_skipped_scale_loss_is_refused() -> None:
+    # Back-propagating the loss itself after a step whose W was 100 used to multiply the
+    # gradient by 100, with a logged loss of 0.
+    x = torch.ones((), dtype=torch.float64, requires_grad=True)
+    acc = Accumulator(loss_reduction="sum")
+    acc.begin(parameters=[x])
+    acc.scale_loss(x * 100, num_tokens=100).backward()
+    acc.end()
+    x.grad = None
+    acc.begin(parameters=[x])
+    (x * 3).backward()  # scale_loss() forgotten
+    with pytest.raises(RuntimeError, match=r"no loss of the step went through scale_loss\(\)"):
+        acc.end()
+    acc.abandon()
+    # A rank with no microbatch and no gradient ends its step as before.
+    x.grad = None
+    acc.begin(parameters=[x])
+    assert acc.end().num_tokens.item() == 0 and x.grad is None

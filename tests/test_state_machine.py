@@ -640,8 +640,10 @@ class AccumulatorMachine(RuleBasedStateMachine):
         else:
             # A gradient of 1 on a parameter that no microbatch used shows the correction
             # E / W itself: end() multiplies every gradient of the parameters by it.
+            # A rank with no microbatch and a nonzero gradient is refused (no loss of its step
+            # went through scale_loss()): tests/test_scale_after.py covers that rule.
             probes = [
-                len(part.weights) < MICROBATCHES and data.draw(st.booleans(), label="probe")
+                0 < len(part.weights) < MICROBATCHES and data.draw(st.booleans(), label="probe")
                 for part in step.ranks
             ]
             for part, probe in zip(step.ranks, probes, strict=True):

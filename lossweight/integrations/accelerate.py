@@ -105,6 +105,7 @@ class AcceleratorAccumulator:
             framework_divides_loss_by=self.gradient_accumulation_steps,
         )
         self.result: StepResult | None = None
+        self._windows = 0  # the accumulate() blocks of the open count-first step
 
     @property
     def step_open(self) -> bool:
@@ -117,7 +118,9 @@ class AcceleratorAccumulator:
         """Begin a count-first step: this rank's counts, one per microbatch it will run in it
         (normally ``gradient_accumulation_steps`` of them, fewer at the end of the data)."""
         self._check_world()
-        return self.accumulator.begin(num_samples=num_samples, num_tokens=num_tokens)
+        context = self.accumulator.begin(num_samples=num_samples, num_tokens=num_tokens)
+        self._windows = 0
+        return context
 
     @contextlib.contextmanager
     def accumulate(self, model: torch.nn.Module | None = None) -> Iterator[None]:
@@ -133,7 +136,11 @@ class AcceleratorAccumulator:
             with self.accelerator.accumulate(model):
                 yield
             return
-        last = step.scaled == step.declared - 1
+        # This microbatch's position is the number of accumulate() blocks the step opened
+        # before it: the machine's count of scaled microbatches stays 0 where scale_loss() runs
+        # compiled (the device counts them), and a step there would never end.
+        last = self._windows == step.declared - 1
+        self._windows += 1
         self.accelerator.sync_gradients = last
         with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
             yield
