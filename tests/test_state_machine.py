@@ -194,6 +194,13 @@ class RankStep:
     params: list[torch.Tensor] = field(default_factory=list)  # scale after: one per microbatch
     gives_other: bool | None = None  # scale after: what its first microbatch chose
     context: Any = None  # what begin() returned
+    factored: set[int] = field(default_factory=set)  # count first: backward_scale(i) took them
+
+    @property
+    def taken_by_factors(self) -> bool:
+        """Every microbatch took its factor from backward_scale(i) in a step that used no
+        scale_loss(): a loop that scales by itself, which end() accepts."""
+        return not self.losses and self.factored >= set(range(len(self.weights)))
 
     @property
     def remaining(self) -> int:
@@ -515,7 +522,9 @@ class AccumulatorMachine(RuleBasedStateMachine):
         weight = part.weights[len(part.losses) if index is None else index]
         exact = self._factor(step, weight, step.total())
         ulps = self._factor_ulps(step, weight, step.total())
-        for _ in range(2):  # reading a factor takes no microbatch
+        if index is not None:
+            part.factored.add(index)
+        for _ in range(2):  # reading a factor again changes nothing
             factor = self.accs[rank].backward_scale(index)
             assert factor.dtype == F64 and factor.dim() == 0
             check_close(factor.item(), exact, ulps, f"backward_scale({index}) of rank {rank}")
@@ -991,7 +1000,10 @@ class AccumulatorMachine(RuleBasedStateMachine):
         kinds = ["begin", "flush", "state_dict", "load_state_dict", "bad_loss", "contexts"]
         if step.mode == "count_first":
             kinds += ["counts_to_scale_loss", "bad_index"]
-            kinds += ["too_few"] if part.remaining else ["too_many", "no_next"]
+            if part.remaining and not part.taken_by_factors:
+                kinds += ["too_few"]
+            elif not part.remaining:
+                kinds += ["too_many", "no_next"]
         else:
             kinds += ["missing_count", "bad_count", "backward_scale"]
             kinds += ["inconsistent"] if part.weights else []
