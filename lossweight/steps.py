@@ -17,7 +17,7 @@ import torch
 from . import _torch, payload, weighting
 from .collectives import Collective
 from .errors import device_message, error
-from .terms import Layout
+from .terms import COUNTS, Layout
 from .weighting import LossReduction
 
 Counts = dict[str, list[int] | torch.Tensor | None]
@@ -88,7 +88,7 @@ class CountFirst:
             if (index := int(self.cursor)) >= self.size:
                 raise error("too_many", number=index + 1, step=step, declared=self.size)
             self.cursor.add_(1)
-        self._losses[index] = loss.detach()  # type: ignore[index]  # made by _on()
+        self.record(index, loss)
         if self._host_weights is not None and self._host_weights[index] > 0:
             return loss * factors[index]
         # A microbatch of weight 0 contributes exactly nothing: torch.where takes neither the
@@ -101,8 +101,7 @@ class CountFirst:
         factors, positive = self._on(loss, reduction)
         if self.cursor is None:  # the step's first microbatch
             self.cursor = torch.zeros((), dtype=torch.int64, device=loss.device)
-        cursor, losses = self.cursor, self._losses
-        assert losses is not None
+        cursor, losses = self.cursor, self._buffer(loss)
         _torch.assert_true(cursor < self.size, device_message("traced_too_many"))
         position = cursor.view(1)
         losses.index_copy_(0, position, loss.detach().to(torch.float64).view(1))
@@ -113,9 +112,13 @@ class CountFirst:
 
     def record(self, index: int, loss: torch.Tensor) -> None:
         """Keep a copy of microbatch ``index``'s detached loss for the logged loss."""
+        self._buffer(loss)[index] = loss.detach()
+
+    def _buffer(self, loss: torch.Tensor) -> torch.Tensor:
+        """The microbatches' losses, made on the first loss's device."""
         if self._losses is None:
             self._losses = torch.zeros(self.size, dtype=torch.float64, device=loss.device)
-        self._losses[index] = loss.detach()
+        return self._losses
 
     def loss_sum(self, loss_reduction: LossReduction, known: bool) -> torch.Tensor:
         """This rank's term of the loss numerator, after its last microbatch; NaN where a loss
@@ -141,8 +144,6 @@ class CountFirst:
             factors = self.factors(reduction).to(loss.device, dtype, non_blocking=True)
             positive = (self._weights > 0).to(loss.device, non_blocking=True)
             self._cast = (loss.device, loss.dtype, factors, positive)
-            if self._losses is None:
-                self._losses = torch.zeros(self.size, dtype=torch.float64, device=loss.device)
         return self._cast[2], self._cast[3]
 
 
@@ -217,11 +218,10 @@ class ScaleAfter:
         (term,) = layout.terms
         if self.reduction is None:
             self._groups = self._gradients(codes[0])
-            totals = {name: self._sum(name) for name in ("samples", "tokens")}
+            totals = {name: self._sum(name) for name in COUNTS}
             device = reduction_device(collective, totals)
             gave = {
-                name: given is not None and given[("samples", "tokens").index(name)]
-                for name in layout.reported
+                name: given is not None and given[COUNTS.index(name)] for name in layout.reported
             }
             flags = {name: (g, not g and bool(self._losses)) for name, g in gave.items()}
             losses = {
