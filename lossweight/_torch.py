@@ -35,21 +35,42 @@ def gradient_groups(parameters: list[torch.Tensor]) -> Groups:
     once: two parameters whose gradient is the same memory are rescaled once. A DTensor
     gradient (FSDP2) is taken through its local shard, all this rank holds."""
     groups: Groups = defaultdict(list)
-    seen = set()
+    seen: set[object] = set()
     for parameter in parameters:
         if (grad := parameter.grad) is not None:
             local = grad.to_local() if hasattr(grad, "to_local") else grad
-            key = (local.data_ptr(), local.shape, local.stride(), local.device, local.dtype)
-            if local.device.type == "meta" or key not in seen:  # meta memory has no address
+            # A sparse gradient has no one address; meta memory has none at all.
+            key = id(local) if local.is_sparse or local.device.type == "meta" else (
+                local.data_ptr(), local.shape, local.stride(), local.device, local.dtype
+            )  # fmt: skip
+            if key not in seen:
                 seen.add(key)
                 groups[(local.device, local.dtype)].append(local)
     return groups
 
 
 def check_zero_gradients(parameters: list[torch.Tensor], message: str) -> None:
-    """Fail with ``message`` if a gradient is not all zeros, checked on its device."""
+    """Fail with ``message`` if a gradient is not all zeros, checked on its device (a sparse
+    one by the values it stores)."""
     for grads in gradient_groups(parameters).values():
-        assert_true(torch.stack(torch._foreach_norm(grads)).sum() == 0, message)
+        dense = [grad._values() if grad.is_sparse else grad for grad in grads]
+        assert_true(torch.stack(torch._foreach_norm(dense)).sum() == 0, message)
+
+
+def reaches(loss: torch.Tensor, parameters: list[torch.Tensor]) -> bool:
+    """Whether ``loss``'s backward would accumulate into a gradient of ``parameters``: a walk
+    of its autograd graph, to the leaves."""
+    wanted, seen = {id(p) for p in parameters}, set()
+    nodes = [loss.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if id(getattr(node, "variable", None)) in wanted:
+            return True
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+    return False
 
 
 def multiply(groups: Groups, factor: torch.Tensor) -> None:

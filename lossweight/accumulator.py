@@ -7,11 +7,14 @@ or rescales the gradients (:mod:`lossweight.steps`), or builds a :class:`StepRes
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Concatenate, Generic, Literal, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,6 +32,11 @@ Count = int | torch.Tensor
 Counts = torch.Tensor | Sequence[Count]
 _STATE_FORMAT = 1
 T = TypeVar("T")
+P = ParamSpec("P")
+# The open scale-after steps of this process: end() rescales every gradient of their
+# parameters, so no other Accumulator's loss may reach one. A step leaves when it closes, or
+# when its Accumulator is collected.
+_SCALING_AFTER: weakref.WeakSet[ScaleAfter] = weakref.WeakSet()
 
 
 class _Option(Generic[T]):
@@ -39,6 +47,26 @@ class _Option(Generic[T]):
 
     def __get__(self, accumulator: Accumulator, owner: type) -> T:
         return getattr(accumulator.options, self.name)  # type: ignore[no-any-return]
+
+
+def _exclusive(
+    method: Callable[Concatenate[Accumulator, P], T],
+) -> Callable[Concatenate[Accumulator, P], T]:
+    """Refuse a call while another thread is inside one: two threads that drive a step at
+    once would each overwrite what the other changed."""
+
+    def exclusive(self: Accumulator, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        if torch.compiler.is_compiling():  # traced once, run as a graph: no lock to take
+            return method(self, *args, **kwargs)
+        if not self._busy.acquire(blocking=False):
+            raise error("other_thread", caller=method.__name__)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._busy.release()
+
+    functools.update_wrapper(exclusive, method)
+    return exclusive
 
 
 class Accumulator:
@@ -98,6 +126,7 @@ class Accumulator:
         self._tensors: CountFirst | ScaleAfter | None = None
         self._collective: Collective | None = None
         self._flight = _InFlight(float(weight_estimate))
+        self._busy = threading.Lock()
 
     weight_by: _Option[WeightBy] = _Option()
     loss_reduction: _Option[LossReduction] = _Option()
@@ -114,20 +143,25 @@ class Accumulator:
         """How many steps have begun (the index of the last one)."""
         return self.state.steps
 
+    @_exclusive
     def begin(
         self,
         *,
         num_samples: Counts | None = None,
         num_tokens: Counts | None = None,
         parameters: Iterable[Any] | None = None,
+        step: int | None = None,
     ) -> StepContext:
         """Open a step on every rank. Count first: this rank's counts, one per microbatch (a
         1-D integer tensor or a sequence of ints or 0-dim tensors; the ``weight_by`` one is
         required); its all-reduce starts here. Scale after: the ``parameters`` whose gradients
-        ``end()`` rescales (None or zero now). ``with acc.begin(...):`` abandons on an error."""
+        ``end()`` rescales (None or zero now): a module, an optimizer, or tensors. ``step``:
+        the loop's own step number, the same on every rank (default: ``steps + 1``), so that a
+        rank that skips an iteration is caught at once. ``with acc.begin(...):`` abandons on
+        an error."""
         counts, params = _opening(num_samples, num_tokens, parameters, self.weight_by)
         declared = len(counts[self.weight_by]) if counts is not None else 0
-        state = machine.begin(self.state, counts is not None, declared)
+        state = machine.begin(self.state, counts is not None, declared, step)
         collective = self._resolver.resolve()
         divisor = self._flight.adopt(collective, self.options)
         self._flight.settle()
@@ -138,10 +172,12 @@ class Accumulator:
             tensors = CountFirst(collective, self.layout, codes, counts, carried, divisor)
             self._flight.add(tensors.reduction)
         else:
-            tensors = ScaleAfter(params, self._flight.estimated(self.options), divisor)
+            tensors = ScaleAfter(params, self._flight.estimated(self.weight_by), divisor)
+            _SCALING_AFTER.add(tensors)
         self.state, self._tensors, self._collective = state, tensors, collective
         return StepContext(self, state.steps)
 
+    @_exclusive
     def scale_loss(
         self,
         loss: torch.Tensor,
@@ -154,14 +190,19 @@ class Accumulator:
         exactly nothing: its loss (a NaN of 0/0 included) reaches no gradient and no log."""
         _check_loss(loss)
         given, tensors = (num_samples is not None, num_tokens is not None), self._tensors
+        # Never in a graph: dynamo would guard on the set, and a graph has no autograd graph.
+        if not torch.compiler.is_compiling() and len(_SCALING_AFTER) > isinstance(
+            tensors, ScaleAfter
+        ):
+            _not_into_another_step(loss, tensors)
         if isinstance(tensors, ScaleAfter):
             counts = {"samples": num_samples, "tokens": num_tokens}
             checked = {n: None if c is None else _count(f"num_{n}", c) for n, c in counts.items()}
             state, _ = machine.scale(self.state, given, traced=False)
             scaled = tensors.scale(loss, checked, self.weight_by, self.loss_reduction)
         elif torch.compiler.is_compiling() and tensors is not None and not any(given):
-            machine.trace(self.state)
-            return tensors.scale_traced(loss, self.loss_reduction)
+            start = machine.trace(self.state)
+            return tensors.scale_traced(loss, self.loss_reduction, start)
         else:  # count first, or no step: the machine says which
             traced = tensors is not None and tensors.cursor is not None
             state, index = machine.scale(self.state, given, traced)
@@ -170,6 +211,7 @@ class Accumulator:
         self.state = state
         return scaled
 
+    @_exclusive
     def backward_scale(self, microbatch: int | None = None) -> torch.Tensor:
         """A count-first factor, ``w * D / W`` (mean losses) or ``D / W`` (sums), as float64.
         ``backward_scale(i)`` gives microbatch ``i`` its factor, for a loop that multiplies the
@@ -182,6 +224,7 @@ class Accumulator:
             raise error("no_next", declared=tensors.size, step=self.state.steps)
         return tensors.factors(self.loss_reduction)[index]
 
+    @_exclusive
     def record_loss(self, microbatch: int, loss: torch.Tensor) -> None:
         """Hand over the loss that ``backward_scale(microbatch)`` multiplied, for the logged
         loss (a detached copy is kept)."""
@@ -190,6 +233,7 @@ class Accumulator:
         assert isinstance(self._tensors, CountFirst)
         self._tensors.record(index, loss)
 
+    @_exclusive
     def end(self) -> StepResult:
         """Close the step on every rank, after its last backward and before clipping and
         ``optimizer.step()``; scaling after, it reduces the counts and rescales the gradients
@@ -198,32 +242,30 @@ class Accumulator:
         state = machine.end(self.state, self._traced)
         assert step is not None and tensors is not None and collective is not None
         if isinstance(tensors, CountFirst):
-            result = self._end_count_first(step, tensors, collective)
-            self._flight.estimate = tensors.reduction
+            result = self._flight.end_count_first(
+                step, tensors, collective, self.options, self.layout
+            )
         else:
-            self._flight.settle()
-            codes, carried = (
-                self._flight.codes(step.number, terms.SCALE_AFTER_END),
-                self._flight.carried,
+            result = self._flight.end_scale_after(
+                step, tensors, collective, self.options, self.layout
             )
-            reduction = tensors.finish(
-                collective, self.layout, codes, step.given, self.loss_reduction, carried
-            )
-            self._flight.add(reduction)
-            result = StepResult(step.number, reduction, reduction, [])
-            assert tensors.total is not None
-            self._flight.estimate = tensors.total
         self.state, self._tensors = state, None
+        if isinstance(tensors, ScaleAfter):
+            _SCALING_AFTER.discard(tensors)
         return result
 
+    @_exclusive
     def abandon(self) -> None:
         """Drop the open step, if any, on every rank (its gradients stay: zero them), waiting
         for a count-first step's reduction so that none is left in flight."""
         tensors, self._tensors = self._tensors, None
         self.state = machine.abandon(self.state)
+        if isinstance(tensors, ScaleAfter):
+            _SCALING_AFTER.discard(tensors)
         if isinstance(tensors, CountFirst):
             tensors.reduction.wait()
 
+    @_exclusive
     def flush(self) -> None:
         """Reduce a loss ``loss_logging="next_step"`` left waiting, on every rank after the last
         step: one all-reduce when a loss waits, waited for before it returns."""
@@ -243,23 +285,25 @@ class Accumulator:
         """The step counter, the estimate of ``W`` and the options, as plain values that load
         at any world size. Call :meth:`flush` first to log a waiting loss."""
         machine.idle(self.state, "state_dict")
-        estimate = self._flight.estimated(self.options)
+        estimate = self._flight.estimated(self.weight_by)
         estimate = estimate if isinstance(estimate, float) else estimate.item()
+        estimate = estimate if math.isfinite(estimate) else self.options.weight_estimate
+        options = {name: getattr(self.options, name) for name in terms.OPTIONS}
         return {
             "format": _STATE_FORMAT,
             "steps": self.state.steps,
-            "weight_estimate": estimate
-            if math.isfinite(estimate)
-            else self.options.weight_estimate,
-            "options": {name: getattr(self.options, name) for name in terms.OPTIONS},
+            "weight_estimate": estimate,
+            "options": options,
         }
 
+    @_exclusive
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from ``state_dict()``'s value, saved with the same options."""
         machine.idle(self.state, "load_state_dict")
         steps, estimate = _checked_state(state_dict, self.options)
         self.state = machine.load(self.state, steps)
-        self._flight.estimate, self._flight.pending = estimate, None
+        self._flight.drop("the step was replaced by load_state_dict() before its loss was reduced")
+        self._flight.assume(estimate)
 
     def __getstate__(self) -> dict[str, Any]:
         if self._resolver.explicit:
@@ -276,22 +320,6 @@ class Accumulator:
         """Whether the open step's scale_loss() runs compiled, counting on the device."""
         return isinstance(self._tensors, CountFirst) and self._tensors.cursor is not None
 
-    def _end_count_first(
-        self, step: machine.Step, tensors: CountFirst, collective: Collective
-    ) -> StepResult:
-        # A compiled step takes every microbatch through scale_loss(): its reads take none.
-        unrecorded = step.unrecorded if step.factored and tensors.cursor is None else []
-        loss_sum = tensors.loss_sum(self.loss_reduction, known=not unrecorded)
-        if self.loss_logging == "next_step":
-            self._flight.pending = PendingLoss(loss_sum)
-            return StepResult(step.number, tensors.reduction, self._flight.pending, unrecorded)
-        self._flight.settle()
-        codes = self._flight.codes(step.number, terms.COUNT_FIRST_END)
-        reduction = self._flight.reduce_loss(
-            collective, self.layout, codes, tensors.device, loss_sum
-        )
-        return StepResult(step.number, tensors.reduction, reduction, unrecorded)
-
 
 class _InFlight:
     """The reductions: the world they run in (its size, ``D`` and the options' agreement
@@ -300,29 +328,92 @@ class _InFlight:
     ``W`` that the next scale-after step assumes (its reduction, until first needed)."""
 
     def __init__(self, estimate: float) -> None:
+        self.default = estimate
         self.world: tuple[int, float, tuple[int, ...]] = (0, 1.0, ())
         self.unsettled: list[payload.Reduction] = []
         self.pending: PendingLoss | None = None
-        self.estimate: float | torch.Tensor | payload.Reduction = estimate
+        self.estimate: float | torch.Tensor | payload.Reduction
+        self.assume(estimate)
 
-    def estimated(self, options: terms.Options) -> float | torch.Tensor:
+    def assume(self, estimate: float) -> None:
+        """Take an estimate given on the host, and its agreement codes."""
+        self.estimate, self.assumed = estimate, terms.number_codes(estimate)
+
+    def estimated(self, weight_by: str) -> float | torch.Tensor:
         """The ``E`` of the next scale-after step; the option's if the last reduction failed."""
         estimate = self.estimate
-        if isinstance(estimate, payload.Reduction):
-            failed = estimate.failed
-            estimate = options.weight_estimate if failed else estimate.total(options.weight_by)
-            self.estimate = estimate
-        return estimate
+        if isinstance(estimate, payload.Reduction) and estimate.failed:
+            self.assume(self.default)
+        elif isinstance(estimate, payload.Reduction):
+            self.estimate = estimate.total(weight_by)
+        return self.estimate  # type: ignore[return-value]
 
     def adopt(self, collective: Collective, options: terms.Options) -> float:
-        """``D`` for this world, and its codes (made when the world's size changes)."""
+        """``D`` for this world, and its codes (made when the world's size changes). A loss
+        that waits is reduced over the collective it was computed in, or never."""
+        if self.pending is not None and self.pending.collective is not collective:
+            step = self.drop("the process group changed before the loss was reduced")
+            raise error("pending_elsewhere", step=step, ranks=collective.world_size)
         if collective.world_size != self.world[0]:
             divisor = options.divisor(collective.world_size)
             self.world = (collective.world_size, divisor, options.codes(divisor))
         return self.world[1]
 
     def codes(self, step: int, call: int) -> tuple[int, ...]:
-        return (step % 2**16, call, *self.world[2])
+        """What the ranks agree on in a reduction: the step, the call, whether it carries a
+        waiting loss, the options, and the estimate in force (a reduced one is the same on
+        every rank; the option or a loaded one may not be)."""
+        estimate = self.assumed if isinstance(self.estimate, float) else terms.REDUCED
+        carried = self.pending is not None
+        return (step % 2**16, call, carried, *self.world[2], *estimate)
+
+    def end_count_first(
+        self,
+        step: machine.Step,
+        tensors: CountFirst,
+        collective: Collective,
+        options: terms.Options,
+        layout: terms.Layout,
+    ) -> StepResult:
+        """What a count-first step reports: its loss reduced now, or left to wait."""
+        # A compiled step takes every microbatch through scale_loss(): its reads take none.
+        unrecorded = step.unrecorded if step.factored and tensors.cursor is None else []
+        loss_sum = tensors.loss_sum(options.loss_reduction, known=not unrecorded)  # type: ignore[arg-type]
+        self.estimate = tensors.reduction
+        if options.loss_logging == "next_step":
+            self.pending = PendingLoss(step.number, loss_sum, collective)
+            return StepResult(step.number, tensors.reduction, self.pending, unrecorded)
+        self.settle()
+        codes = self.codes(step.number, terms.COUNT_FIRST_END)
+        reduction = self.reduce_loss(collective, layout, codes, tensors.device, loss_sum)
+        return StepResult(step.number, tensors.reduction, reduction, unrecorded)
+
+    def end_scale_after(
+        self,
+        step: machine.Step,
+        tensors: ScaleAfter,
+        collective: Collective,
+        options: terms.Options,
+        layout: terms.Layout,
+    ) -> StepResult:
+        """What a scale-after step reports, once its reduction has rescaled the gradients."""
+        self.settle()
+        codes = self.codes(step.number, terms.SCALE_AFTER_END)
+        loss_reduction: Any = options.loss_reduction
+        reduction = tensors.finish(
+            collective, layout, codes, step.given, loss_reduction, self.carried
+        )
+        self.add(reduction)
+        assert tensors.total is not None
+        self.estimate = tensors.total
+        return StepResult(step.number, reduction, reduction, [])
+
+    def drop(self, why: str) -> int | None:
+        """Forget the loss that waits, which its result then explains with ``why``."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.dropped = why
+        return None if pending is None else pending.step
 
     @property
     def carried(self) -> torch.Tensor | None:
@@ -471,6 +562,14 @@ def _opening(
     return counts, []
 
 
+def _not_into_another_step(loss: torch.Tensor, own: object) -> None:
+    """Refuse a loss whose backward reaches the parameters of another Accumulator's open
+    scale-after step: that step's end() would rescale its gradient too."""
+    for step in _SCALING_AFTER:
+        if step is not own and _torch.reaches(loss, step.parameters):
+            raise error("into_another_step")
+
+
 def _check_loss(loss: object) -> None:
     if not isinstance(loss, torch.Tensor):
         raise error("loss_type", value=loss)
@@ -513,7 +612,7 @@ def _checked_state(state_dict: object, options: terms.Options) -> tuple[int, flo
         raise error("state_format", value=state_dict["format"], format=_STATE_FORMAT)
     if not isinstance(saved := state_dict["options"], dict):
         raise error("state_options", value=saved)
-    for name in terms.OPTIONS:
+    for name in ("weight_by",):  # the rest is configuration, which a resumed run may change
         if saved.get(name) != (value := getattr(options, name)):
             raise error("state_option", name=name, saved=saved.get(name), value=value)
     steps, estimate = state_dict["steps"], state_dict["weight_estimate"]

@@ -151,6 +151,11 @@ class CollectiveResolver:
             if self._group is not None:
                 raise error("no_process_group", group=self._group)
             return _SINGLE_PROCESS
+        if self._group is not None:
+            try:  # get_backend() raises for a group torch no longer knows
+                dist.get_backend(self._group)
+            except ValueError:
+                raise error("group_destroyed", group=self._group) from None
         key = self._group if self._group is not None else dist.group.WORLD
         if self._cached is None or self._cached[0] is not key:
             self._cached = (key, ProcessGroupCollective(self._group))

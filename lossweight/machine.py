@@ -72,10 +72,15 @@ def _set(value: T, field: int, new: object) -> T:
     return tuple.__new__(type(value), (*value[:field], new, *value[field + 1 :]))
 
 
-def begin(state: State, count_first: bool, declared: int = 0) -> State:
+def begin(state: State, count_first: bool, declared: int = 0, number: object = None) -> State:
+    """Open a step: ``number`` is the loop's own (the ranks agree on it), by default the next."""
     idle(state, "begin")
+    if number is None:
+        number = state.steps + 1
+    elif isinstance(number, bool) or not isinstance(number, int) or number < 0:
+        raise error("bad_step", value=number)
     mode = COUNT_FIRST if count_first else SCALE_AFTER
-    step = Step(state.steps + 1, mode, declared if count_first else 0)
+    step = Step(number, mode, declared if count_first else 0)
     # A count-first begin() carries a waiting loss; a scale-after step's end() does.
     return state._replace(steps=step.number, step=step, pending=state.pending and not count_first)
 
@@ -104,11 +109,10 @@ def scale(state: State, given: tuple[bool, bool], traced: bool) -> tuple[State, 
     return _set(state, _STEP, _set(step, _SCALED, index + 1)), index
 
 
-def trace(state: State) -> None:
-    """A compiled ``scale_loss()`` runs from the step's first microbatch on, or not at all."""
-    step = open_step(state, "scale_loss")
-    if step.scaled:
-        raise error("traced_after_eager", step=step.number, scaled=step.scaled)
+def trace(state: State) -> int:
+    """A compiled ``scale_loss()``: the position its device counter starts from, after the
+    microbatches eager calls took."""
+    return open_step(state, "scale_loss").scaled
 
 
 def factor(state: State, microbatch: object, traced: bool) -> tuple[State, int | None]:

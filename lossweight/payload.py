@@ -12,7 +12,7 @@ numbers are NaN meanwhile), with no host sync.
 
 from __future__ import annotations
 
-import struct
+import math
 from array import array
 from collections.abc import Mapping
 
@@ -21,7 +21,16 @@ import torch
 from . import _torch
 from .collectives import Collective, Waitable, start_all_reduce
 from .errors import device_message, error
-from .terms import CALLS, CHOICES, COUNT_FIRST_BEGIN, COUNTS, FIELDS, SCALE_AFTER_END, Layout
+from .terms import (
+    CALLS,
+    CHOICES,
+    COUNT_FIRST_BEGIN,
+    COUNTS,
+    FIELDS,
+    SCALE_AFTER_END,
+    Layout,
+    number_of,
+)
 
 LIMB = 2**31
 _CODES = len(FIELDS)
@@ -82,7 +91,7 @@ class Reduction:
         traceable: bool,
     ) -> None:
         self.layout, self._payload, self._bounds, self._codes = layout, payload, bounds, codes
-        self._world_size = collective.world_size
+        self._world_size, self._collective = collective.world_size, type(collective).__name__
         self._handle: Waitable | None = start_all_reduce(collective, payload, traceable)
         self._checked = False
         self.settled = False  # checked, and its verdict known on the host
@@ -181,41 +190,56 @@ class Reduction:
             self._fail(checked, self._payload)
 
     def _fail(self, checked: torch.Tensor, payload: torch.Tensor) -> None:
-        """Raise, and keep for every later use, the DisagreementError that says what differs."""
-        passed, values, ranks = checked.tolist(), payload.tolist(), self._world_size
+        """Raise, and keep for every later use, the error that says what differs."""
+        passed, values, ranks, codes = (
+            checked.tolist(),
+            payload.tolist(),
+            self._world_size,
+            self._codes,
+        )
         problems = []
-        for field in dict.fromkeys(FIELDS):  # the divisor's four codes say one thing
+        for field in dict.fromkeys(FIELDS):  # a number's four codes say one thing
             where = [i for i, name in enumerate(FIELDS) if name == field]
             if not all(passed[i] and passed[_CODES + i] for i in where):
                 mean, square = values[where[0]] / ranks, values[_CODES + where[0]] / ranks
-                problems.append(_problem(field, mean, square, self._codes))
-        for index, name in enumerate(COUNTS):
-            if not passed[2 * _CODES + index]:
-                problems.append(device_message("differ_total", name=f"num_{name}"))
-        step, text = self._codes[0], "; ".join(problems)
-        self._error = error("cannot_be_reduced", step=step, ranks=ranks, problems=text)
+                problems.append(_problem(field, mean, square, tuple(codes[i] for i in where)))
+        if problems and (ranks == 1 or values[:_CODES] == list(codes)):
+            # One rank, or ranks that each got back their own codes: nothing was summed.
+            self._error = error("not_summed", collective=self._collective, ranks=ranks)
+        elif problems:
+            text = "; ".join(problems)
+            self._error = error("cannot_be_reduced", step=codes[0], ranks=ranks, problems=text)
+        else:
+            names = [f"num_{n}" for i, n in enumerate(COUNTS) if not passed[2 * _CODES + i]]
+            self._error = error("total_too_large", name=" and ".join(names))
         raise self._error from None
 
 
-def _problem(field: str, mean: float, mean_square: float, codes: tuple[int, ...]) -> str:
-    own = codes[FIELDS.index(field)]
+def _problem(field: str, mean: float, mean_square: float, own: tuple[int, ...]) -> str:
     if field == "step":
-        return device_message("differ_step", own=own, mean=mean)
+        return device_message("differ_step", own=own[0], mean=mean)
     if field == "call":
         others = "; ".join(f"{code}: {name}" for code, name in enumerate(CALLS))
-        problem = device_message("differ_call", call=CALLS[own], mean=mean, codes=others)
+        problem = device_message("differ_call", call=CALLS[own[0]], mean=mean, codes=others)
         # Codes that are all 0 or 1 have a mean square equal to their mean: every rank is in
         # begin() of a count-first step or end() of a scale-after one, so the modes differ.
-        if own in (COUNT_FIRST_BEGIN, SCALE_AFTER_END) and mean_square == mean:
+        if own[0] in (COUNT_FIRST_BEGIN, SCALE_AFTER_END) and mean_square == mean:
             problem += device_message("differ_mode")
         return problem
+    if field == "carried":
+        return device_message(
+            "differ_carried", own="does" if own[0] else "does not", share=round(mean * 100)
+        )
     if field in CHOICES:
         first, second = CHOICES[field]
-        own_value, share = CHOICES[field][own], round(mean * 100)
+        own_value, share = CHOICES[field][own[0]], round(mean * 100)
         fields = {"field": field, "own": own_value, "first": first, "second": second}
         return device_message("differ_choice", share=share, **fields)
-    divisor = struct.unpack("<d", struct.pack("<4H", *codes[-4:]))[0]
-    return device_message("differ_divisor", divisor=divisor)
+    number = number_of(own)
+    if field == "weight_estimate":
+        shown = "the W its last step reduced" if math.isnan(number) else f"{number:g}"
+        return device_message("differ_estimate", own=shown)
+    return device_message("differ_divisor", divisor=number)
 
 
 # Fixed, so that an assert in a compiled graph neither formats a string per reduction nor reads

@@ -13,9 +13,10 @@ class PendingLoss:
     """A count-first step's loss sum waiting, with ``loss_logging="next_step"``, for the later
     reduction that carries it (``reduction``, set when that one starts)."""
 
-    def __init__(self, loss_sum: torch.Tensor) -> None:
-        self.loss_sum = loss_sum
+    def __init__(self, step: int, loss_sum: torch.Tensor, collective: object) -> None:
+        self.step, self.loss_sum, self.collective = step, loss_sum, collective
         self.reduction: Reduction | None = None
+        self.dropped = ""  # why it will never be reduced, once it will not
 
 
 class StepResult:
@@ -89,6 +90,8 @@ class StepResult:
             raise error("loss_not_recorded", step=self.step, missing=self._unrecorded)
         source, previous = self._loss_source, isinstance(self._loss_source, PendingLoss)
         reduction = source.reduction if isinstance(source, PendingLoss) else source
+        if reduction is None and isinstance(source, PendingLoss) and source.dropped:
+            raise error("loss_dropped", step=self.step, why=source.dropped)
         if reduction is None:
             raise error("loss_pending", step=self.step)
         loss_sum, nonfinite = reduction.loss("loss", previous)

@@ -95,15 +95,20 @@ class CountFirst:
         # value nor the gradient of the loss it does not select (a NaN of 0/0 included).
         return torch.where(positive[index], loss, 0.0) * factors[index]
 
-    def scale_traced(self, loss: torch.Tensor, reduction: LossReduction) -> torch.Tensor:
+    def scale_traced(
+        self, loss: torch.Tensor, reduction: LossReduction, start: int
+    ) -> torch.Tensor:
         """``scale()`` as torch.compile traces it: the position is a tensor, and nothing in the
         graph depends on the counts or on how many microbatches came before."""
         factors, positive = self._on(loss, reduction)
-        if self.cursor is None:  # the step's first microbatch
-            self.cursor = torch.zeros((), dtype=torch.int64, device=loss.device)
+        if self.cursor is None:  # the first compiled microbatch, after ``start`` eager ones
+            self.cursor = torch.full((), start, dtype=torch.int64, device=loss.device)
         cursor, losses = self.cursor, self._buffer(loss)
-        _torch.assert_true(cursor < self.size, device_message("traced_too_many"))
-        position = cursor.view(1)
+        # Sizes come from shapes, which torch.compile makes symbolic, never from self.size, a
+        # Python int it would compile one graph for each value of; the position is clamped so
+        # that the assert, not an index out of bounds, reports a microbatch too many.
+        _torch.assert_true(cursor < factors.shape[0], device_message("traced_too_many"))
+        position = cursor.clamp(max=factors.shape[0] - 1).view(1)
         losses.index_copy_(0, position, loss.detach().to(torch.float64).view(1))
         selected = positive.index_select(0, position).view(())
         factor = factors.index_select(0, position).view(())
@@ -117,7 +122,7 @@ class CountFirst:
     def _buffer(self, loss: torch.Tensor) -> torch.Tensor:
         """The microbatches' losses, made on the first loss's device."""
         if self._losses is None:
-            self._losses = torch.zeros(self.size, dtype=torch.float64, device=loss.device)
+            self._losses = torch.zeros_like(self._weights, device=loss.device)
         return self._losses
 
     def loss_sum(self, loss_reduction: LossReduction, known: bool) -> torch.Tensor:
@@ -155,7 +160,7 @@ class ScaleAfter:
     ) -> None:
         # Gradients left from before the step would be rescaled with this step's.
         _torch.check_zero_gradients(parameters, _STALE)
-        self._parameters, self._estimate, self._divisor = parameters, estimate, divisor
+        self.parameters, self._estimate, self._divisor = parameters, estimate, divisor
         self._cast: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._host_totals: dict[str, int] = {}
         self._tensor_counts: dict[str, list[torch.Tensor]] = {}
@@ -239,11 +244,11 @@ class ScaleAfter:
     def _gradients(self, step: int) -> _torch.Groups:
         """The step's gradients: some where a loss went through scale_loss(), else none that
         is nonzero (a backward that scale_loss() did not scale)."""
-        groups, scaled = _torch.gradient_groups(self._parameters), len(self._losses)
+        groups, scaled = _torch.gradient_groups(self.parameters), len(self._losses)
         if not scaled and groups:
-            _torch.check_zero_gradients(self._parameters, _UNSCALED)
+            _torch.check_zero_gradients(self.parameters, _UNSCALED)
         if scaled and not groups:
-            raise error("no_gradients", parameters=len(self._parameters), scaled=scaled, step=step)
+            raise error("no_gradients", parameters=len(self.parameters), scaled=scaled, step=step)
         return groups
 
     def _sum(self, name: str) -> int | torch.Tensor:

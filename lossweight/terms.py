@@ -47,9 +47,11 @@ CALLS = (
     "flush()",
 )
 COUNT_FIRST_BEGIN, SCALE_AFTER_END, COUNT_FIRST_END, FLUSH = range(len(CALLS))
-# What the ranks agree on in every reduction, one code each; the divisor D takes four 16-bit
-# codes (its float64 bits), so that two divisors that differ in any bit differ in a code.
-FIELDS = ("step", "call", *CHOICES, *["grad_reduction"] * 4)
+# What the ranks agree on in every reduction, one code each: the step, the call, whether it
+# carries an earlier step's loss, the options; a number (the divisor D, the estimate E that a
+# scale-after step's factors assume) takes four 16-bit codes, its float64 bits, so that two
+# numbers that differ in any bit differ in a code.
+FIELDS = ("step", "call", "carried", *CHOICES, *["grad_reduction"] * 4, *["weight_estimate"] * 4)
 
 
 @dataclass(frozen=True)
@@ -85,10 +87,22 @@ class Options:
         return wrapper * float(self.framework_divides_loss_by)
 
     def codes(self, divisor: float) -> tuple[int, ...]:
-        """The agreement codes of the options, in the order of :data:`FIELDS` after the step
-        and the call."""
+        """The agreement codes of the options, in the order of :data:`FIELDS`."""
         chosen = [CHOICES[name].index(getattr(self, name)) for name in CHOICES]
-        return (*chosen, *struct.unpack("<4H", struct.pack("<d", divisor)))
+        return (*chosen, *number_codes(divisor))
+
+
+def number_codes(value: float) -> tuple[int, ...]:
+    """A float64's bits as four 16-bit agreement codes."""
+    return struct.unpack("<4H", struct.pack("<d", value))
+
+
+def number_of(codes: tuple[int, ...]) -> float:
+    return struct.unpack("<d", struct.pack("<4H", *codes))[0]  # type: ignore[no-any-return]
+
+
+REDUCED = number_codes(math.nan)
+"""The estimate's codes where it is the last step's reduced ``W``, the same on every rank."""
 
 
 @dataclass(frozen=True)

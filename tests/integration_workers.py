@@ -5,7 +5,8 @@ one gloo process group, runs every configuration of its framework on this rank's
 data (uneven padding, a rank with few tokens, a microbatch without a target), compares the
 gradient just before each optimizer step with the single-process fp64 full-batch reference,
 and returns what it saw as JSON-able values: relative gradient errors, logged losses and
-counts, and the references they should equal.
+counts, and the references they should equal. The misuse section runs on one process, for
+tests/test_integration_misuse.py.
 """
 
 from __future__ import annotations
@@ -689,6 +690,196 @@ def lightning_scheduled_run() -> list[tuple[int, int, float]]:
         warnings.simplefilter("ignore")
         trainer.fit(Module(), loader)
     return steps
+
+
+# --------------------------------------------------------------------------------------------
+# Misuse of accelerate and Lightning, on one process
+# --------------------------------------------------------------------------------------------
+
+# Each window holds both ranks' microbatches of a loop step, so that its full batch is the
+# step's global batch: uneven padding and a microbatch without a target, on one process.
+MISUSE_STEPS = 2
+MISUSE_WINDOW = 2 * LOOP_MICROBATCHES
+# Well below the full-batch gradient's norm (checked by the tests): clipping is active.
+CLIP = 0.05
+
+
+def misuse_windows() -> list[tuple[Batch, list[Batch]]]:
+    """Per step, the global batch and its microbatches (rank 0's, then rank 1's)."""
+    return [
+        (loop_step(step, 0)[0], loop_step(step, 0)[1] + loop_step(step, 1)[1])
+        for step in range(MISUSE_STEPS)
+    ]
+
+
+def clipped_reference(model: torch.nn.Module, batch: Batch, clip: float | None) -> dict:
+    """The full-batch gradient of ``batch``, clipped to the norm ``clip`` as the frameworks
+    clip (torch.nn.utils.clip_grad_norm_), on a copy of the model, and its norm unclipped."""
+    model = copy.deepcopy(model)
+    microbatch_loss(model, batch, "tokens", "mean").backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip is not None else 1e300)
+    return {"gradients": gradients(model), "norm": norm.item()}
+
+
+def compared(model: torch.nn.Module, step: int, clip: float | None, result: Any) -> dict:
+    """The model's gradient now against the clipped full-batch one of ``step``."""
+    batch = misuse_windows()[step][0]
+    expected = clipped_reference(model, batch, clip)
+    return {
+        "relative_error": max_relative_error(gradients(model), expected["gradients"]),
+        "exact_norm": expected["norm"],
+        "tokens": int(result.num_tokens),
+        "expected_tokens": int(batch.num_tokens),
+    }
+
+
+def unchanged(model: torch.nn.Module, seed: int) -> bool:
+    """Whether no optimizer step has changed the parameters of ``make_model(seed)``."""
+    return all(map(torch.equal, model.parameters(), make_model(seed).parameters()))
+
+
+def lightning_misuse_run(case: str, clip: float | None = None) -> dict:
+    """Automatic optimization over MISUSE_STEPS windows of MISUSE_WINDOW microbatches, whose
+    training_step uses the callback as ``case`` says: ``"documented"``; ``"validated"``, with
+    a validation_step that calls the same helper and runs inside the windows; ``"raw"``,
+    scaling the loss and returning the raw one; ``"unscaled"``, never calling scale_loss();
+    ``"twice"``, scaling each loss a second time (for a log). Returns the gradients each
+    optimizer step used (after Lightning's clipping), the error, if any, and whether the
+    parameters moved."""
+    import lightning.pytorch as pl
+
+    from lossweight.integrations.lightning import LossweightCallback
+
+    windows = misuse_windows()
+    steps: list[dict] = []
+
+    class Recording(torch.optim.SGD):
+        """Records the gradient the update uses: after Lightning's closure, which runs the
+        backward, ends lossweight's step and clips."""
+
+        def step(self, closure: Any = None) -> Any:
+            if closure is not None:
+                with torch.enable_grad():
+                    closure()
+            steps.append(compared(module.net, len(steps), clip, module.lw.result))
+            return super().step()
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_model(7)
+            self.lw = LossweightCallback(loss_reduction="mean")
+            self.validation_returned: list[bool] = []
+
+        def configure_callbacks(self) -> list:
+            return [self.lw]
+
+        def losses(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+            """The helper that training_step and validation_step share: the microbatch's mean
+            loss, and what scale_loss() makes of it."""
+            mb = Batch(batch["features"], batch["labels"])
+            loss = microbatch_loss(self.net, mb, "tokens", "mean")
+            return loss, self.lw.scale_loss(loss, num_tokens=mb.num_tokens)
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            if case == "unscaled":
+                mb = Batch(batch["features"], batch["labels"])
+                return microbatch_loss(self.net, mb, "tokens", "mean")
+            loss, scaled = self.losses(batch)
+            if case == "twice":
+                self.losses(batch)
+            return loss if case == "raw" else scaled
+
+        def validation_step(self, batch: dict, batch_idx: int) -> None:
+            loss, scaled = self.losses(batch)
+            self.validation_returned.append(scaled is loss)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return Recording(self.parameters(), lr=0.5)
+
+    items = [
+        {"features": mb.features, "labels": mb.labels} for _, window in windows for mb in window
+    ]
+    loader = torch.utils.data.DataLoader(items, batch_size=None)
+    validated = case == "validated"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=MISUSE_STEPS,
+        accumulate_grad_batches=MISUSE_WINDOW,
+        gradient_clip_val=clip,
+        # Validation after every 3rd batch: inside the windows of 8, never at their ends.
+        val_check_interval=3 if validated else None,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = Module()
+    error = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            trainer.fit(module, loader, loader if validated else None)
+        except RuntimeError as raised:
+            error = str(raised)
+    return {
+        "steps": steps,
+        "error": error,
+        "unchanged": unchanged(module.net, 7),
+        "validation_returned": module.validation_returned,
+    }
+
+
+def accelerate_misuse_run(rank: int, world_size: int) -> dict:
+    """One process, scale after, a fresh Accelerator per case: the documented loop with
+    clipping, and the loop without end_if_sync(), with it before the last backward, and
+    without it and with an optimizer that accelerate did not prepare."""
+    from accelerate import Accelerator
+
+    from lossweight.integrations.accelerate import AcceleratorAccumulator
+
+    warnings.filterwarnings("ignore")
+    outcome = {}
+    for case in ("documented", "no_end", "end_before_backward", "no_end_unprepared"):
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MISUSE_WINDOW)
+        net = make_model(7)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+        if case == "no_end_unprepared":
+            model = accelerator.prepare(net)
+        else:
+            model, optimizer = accelerator.prepare(net, optimizer)
+        lw = AcceleratorAccumulator(accelerator, model, loss_reduction="sum")
+        steps: list[dict] = []
+        blocks = 0  # the accumulate() blocks entered
+        try:
+            for _, window in misuse_windows():
+                for mb in window:
+                    with lw.accumulate():
+                        blocks += 1
+                        loss = microbatch_loss(model, mb, "tokens", "sum")
+                        scaled = lw.scale_loss(loss, num_tokens=mb.num_tokens)
+                        if case == "end_before_backward":
+                            lw.end_if_sync()
+                        accelerator.backward(scaled)
+                        if case == "documented" and lw.end_if_sync() is not None:
+                            accelerator.clip_grad_norm_(model.parameters(), CLIP)
+                            steps.append(compared(model, len(steps), CLIP, lw.result))
+                        if accelerator.sync_gradients:  # as a loop does for a plain optimizer
+                            optimizer.step()
+                            optimizer.zero_grad()
+            error = None
+        except RuntimeError as raised:
+            error = str(raised)
+        outcome[case] = {
+            "steps": steps,
+            "error": error,
+            "blocks": blocks,
+            "unchanged": unchanged(model, 7),
+        }
+    return outcome
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,12 +8,14 @@ drop the agreement check's asserts, compiling scale_loss() is refused.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+import torch._dynamo.testing
 
-from lossweight import Accumulator, DisagreementError, _torch
+from lossweight import Accumulator, _torch
 
 Microbatch = Callable[[torch.Tensor], torch.Tensor]
 
@@ -44,8 +46,8 @@ def test_a_step_total_of_2_62_fails_inside_the_graph() -> None:
         microbatch(features)
     acc.abandon()
     # The graph raised before it could record the failure, so the next call that settles the
-    # step reports it, as a DisagreementError, once; then steps go on.
-    with pytest.raises(DisagreementError, match=r"total num_tokens of the step .* 2\*\*62"):
+    # step reports it, as a ValueError, once; then steps go on.
+    with pytest.raises(ValueError, match=r"total num_tokens over all ranks is 2\*\*62 or more"):
         acc.begin(num_tokens=[3])
     acc.begin(num_tokens=[3])  # the same graph serves the next step, which checks out
     scaled = microbatch(features)
@@ -72,7 +74,7 @@ def test_compiling_scale_loss_is_refused_where_graphs_drop_asserts(
     acc.end()
     torch.testing.assert_close(scaled, layer(features).sum() / 3)
     acc.begin(num_tokens=[2**61, 2**61])
-    with pytest.raises(DisagreementError, match=r"2\*\*62 or more"):
+    with pytest.raises(ValueError, match=r"2\*\*62 or more"):
         microbatch(features)
     acc.abandon()
 
@@ -114,15 +116,19 @@ def test_ten_microbatches_of_a_global_accumulator_compile_two_graphs() -> None:
     assert counter.frame_count == 2  # a step's first microbatch, and every other one
 
 
-def test_a_step_is_compiled_from_its_first_microbatch_or_not_at_all() -> None:
+def test_a_step_may_mix_eager_and_compiled_microbatches() -> None:
     acc = Accumulator(loss_reduction="sum")
     microbatch, layer = compiled(acc)
     features = torch.ones(2, 4)
-    acc.begin(num_tokens=[1, 1])
-    acc.scale_loss(layer(features).sum())  # eager
-    with pytest.raises(Exception, match=r"went through scale_loss\(\) in eager code before"):
-        microbatch(features)
-    acc.abandon()
+    # Eager first, then compiled: the compiled calls count on from the eager ones.
+    acc.begin(num_tokens=[1, 1, 2])
+    eager = acc.scale_loss(layer(features).sum())
+    after = [microbatch(features), microbatch(features)]
+    result = acc.end()
+    for scaled in (eager, *after):
+        torch.testing.assert_close(scaled, layer(features).sum() / 4)
+    assert result.num_tokens.item() == 4
+    assert result.loss.item() == pytest.approx(3 * layer(features).sum().item() / 4, rel=1e-6)
     # Compiled first, then eager (as when dynamo falls back): the eager call takes the next
     # position, and the step checks out.
     acc.begin(num_tokens=[1, 3])
@@ -136,6 +142,54 @@ def test_a_step_is_compiled_from_its_first_microbatch_or_not_at_all() -> None:
     microbatch(features)
     with pytest.raises(RuntimeError, match="end\\(\\) was called before every microbatch"):
         acc.end()
+    acc.abandon()
+
+
+def test_the_graphs_do_not_grow_with_the_number_of_microbatches() -> None:
+    # Steps of 1 to 12 microbatches in a row, each size new: the graphs of the first sizes
+    # (5 here, with the sizes of the token tensors also new) serve every later one, since
+    # sizes become symbolic: below dynamo's recompile limit (8), and every gradient is eager's.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 1)).double()
+    eager_model = copy.deepcopy(model)
+    acc, eager_acc = Accumulator(loss_reduction="sum"), Accumulator(loss_reduction="sum")
+    counter = torch._dynamo.testing.CompileCounter()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def microbatch(tokens: torch.Tensor) -> torch.Tensor:
+        return acc.scale_loss(model(tokens).sum())
+
+    graphs = []
+    for size in range(1, 13):
+        counts = [1 + (3 * k) % 5 for k in range(size)]
+        acc.begin(num_tokens=counts)
+        eager_acc.begin(num_tokens=counts)
+        for count in counts:
+            tokens = torch.arange(count) % 10
+            microbatch(tokens).backward()
+            eager_acc.scale_loss(eager_model(tokens).sum()).backward()
+        acc.end()
+        eager_acc.end()
+        for compiled_p, eager_p in zip(model.parameters(), eager_model.parameters(), strict=True):
+            torch.testing.assert_close(compiled_p.grad, eager_p.grad)
+            compiled_p.grad, eager_p.grad = None, None
+        graphs.append(counter.frame_count)
+    print("graphs after each step size 1..12:", graphs)
+    assert graphs[5:] == [graphs[5]] * 7 and graphs[-1] <= 6, graphs
+
+
+def test_a_microbatch_too_many_of_a_real_model_gets_lossweight_s_message() -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 1)).double()
+    acc = Accumulator(loss_reduction="sum")
+
+    @torch.compile(fullgraph=True)
+    def microbatch(tokens: torch.Tensor) -> torch.Tensor:
+        return acc.scale_loss(model(tokens).sum())
+
+    acc.begin(num_tokens=[2])
+    microbatch(torch.arange(2)).backward()
+    with pytest.raises(RuntimeError, match="a compiled scale_loss\\(\\) was called for more"):
+        microbatch(torch.arange(2))
     acc.abandon()
 
 

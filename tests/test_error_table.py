@@ -50,11 +50,14 @@ ELSEWHERE = {
     "differ_mode",
     "differ_choice",
     "differ_divisor",
-    "differ_total",
+    "differ_carried",
+    "differ_estimate",
+    "other_thread",
+    "group_destroyed",
+    "pending_elsewhere",
     "disagree",
     "total_too_large",
     "devices_differ",
-    "traced_after_eager",
     "graph_asserts",
 }
 

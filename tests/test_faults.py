@@ -194,6 +194,69 @@ def _extra_step(rank: int, group: dist.ProcessGroup) -> None:
     result.loss.item()  # type: ignore[union-attr]
 
 
+@protocol("weight_estimate")
+def _weight_estimate(rank: int, group: dist.ProcessGroup) -> None:
+    # A scale-after step under DDP whose ranks assume different estimates of W: their
+    # provisional gradients are averaged at different scales, so end() must refuse them.
+    acc = Accumulator(group=group, loss_reduction="mean", weight_estimate=(1.0, 1000.0)[rank])
+    scale_after_step(acc, _scalar(), [1.0, 2.0], [3, 4])
+
+
+@protocol("abandoned_alone/next_step")
+def _abandoned_next_step(rank: int, group: dist.ProcessGroup) -> dict:
+    # Rank 0 abandons step 2 while rank 1 ends it, with loss_logging="next_step": the step
+    # numbers still agree at step 3, but only rank 1's begin() carries a loss.
+    acc = Accumulator(group=group, loss_reduction="mean", loss_logging="next_step")
+    for step in (1, 2, 3):
+        x = _scalar()
+        if rank == 0 and step == 2:
+            acc.begin(num_tokens=[3, 4])
+            acc.abandon()
+            continue
+        count_first_step(acc, x, [1.0, 2.0], [3, 4])
+    return {}
+
+
+def _skipping(rank: int, group: dist.ProcessGroup, skipped: int) -> list:
+    """Steps numbered by the loop (begin(step=...)); rank 1 skips iteration ``skipped``."""
+    acc = Accumulator(group=group, loss_reduction="mean")
+    seen = []
+    for iteration in range(1, 5):
+        if rank == 1 and iteration == skipped:
+            continue
+        acc.begin(num_tokens=[iteration], step=iteration)
+        acc.scale_loss(float(iteration) * _scalar()).backward()
+        seen.append(acc.end().loss.item())
+    return seen
+
+
+for _skipped in (1, 2, 3):
+    protocol(f"skipped_iteration_{_skipped}")(
+        lambda rank, group, skipped=_skipped: _skipping(rank, group, skipped)
+    )
+
+
+@protocol("destroyed_group")
+def _destroyed_group(rank: int, group: dist.ProcessGroup) -> None:
+    own = dist.new_group(backend="gloo")
+    acc = Accumulator(group=own, loss_reduction="mean")
+    count_first_step(acc, _scalar(), [1.0], [1])
+    dist.destroy_process_group(own)
+    acc.begin(num_tokens=[1])
+
+
+def _pending_then_new_world(rank: int) -> dict:
+    """A loss waits (loss_logging="next_step") when the default group is torn down; each
+    rank then goes on alone, in a world of one."""
+    acc = Accumulator(loss_reduction="mean", loss_logging="next_step")
+    waiting = count_first_step(acc, _scalar(), [1.0 + rank], [3])
+    dist.destroy_process_group()
+    refused = _attempt(lambda: acc.begin(num_tokens=[1]))
+    unreduced = _attempt(lambda: waiting.loss)
+    after = _attempt(lambda: count_first_step(acc, _scalar(), [5.0], [2]).step)
+    return {"refused": refused, "unreduced": unreduced, "after": after}
+
+
 def one_extra_step(rank: int, world_size: int) -> list:
     """Both ranks run steps 1 to 3 (loss_logging="end"); rank 1 also runs its step-1 batch a
     second time before step 2, a retried batch, say."""
@@ -470,6 +533,7 @@ def run_all(rank: int, world_size: int, states: dict[str, str], pickled: Accumul
     for name, scenario in PROTOCOL.items():
         group = dist.new_group(backend="gloo")
         protocol[name] = _attempt(lambda scenario=scenario, group=group: scenario(rank, group))
+    hardening["pending_then_new_world"] = _attempt(lambda: _pending_then_new_world(rank))
     return {"hardening": hardening, "protocol": protocol}
 
 
@@ -619,6 +683,30 @@ DISAGREEMENTS = {
             ],
         ],
     ),
+    "weight_estimate": (
+        None,
+        [
+            ["the ranks differ in the estimate of W", "this rank's is 1;"],
+            ["the ranks differ in the estimate of W", "this rank's is 1000;"],
+        ],
+    ),
+    "abandoned_alone/next_step": (
+        None,
+        [
+            ["50% of the ranks' reductions carry the loss", "and this rank's does not"],
+            ["50% of the ranks' reductions carry the loss", "and this rank's does:"],
+        ],
+    ),
+    **{
+        f"skipped_iteration_{skipped}": (
+            None,
+            [
+                [f"this rank is at step {skipped} but the ranks' mean step is {skipped + 0.5:g}"],
+                [f"this rank is at step {skipped + 1} but the ranks' mean step is"],
+            ],
+        )
+        for skipped in (1, 2, 3)
+    },
 }
 
 
@@ -637,6 +725,33 @@ def test_ranks_that_disagree_all_raise_and_are_told_what_differs(
             assert differs == (other == option), f"{name}, rank {rank}: {message!r}"
         if option is not None:
             assert "mean step" not in message and "call code" not in message, message
+
+
+def test_a_destroyed_group_is_named(protocol_runs: list[dict]) -> None:
+    for runs in protocol_runs:
+        record = runs["destroyed_group"]
+        assert record.get("error") == "RuntimeError", record
+        assert "was destroyed (torch.distributed.destroy_process_group())" in record["message"]
+
+
+def test_a_waiting_loss_is_never_reduced_in_another_world(hardening_runs: dict) -> None:
+    # The default group is torn down while a loss waits: the next begin() (now in a world of
+    # one) refuses to reduce it there, naming flush(); the step's result says why its loss is
+    # gone; the run then goes on in its new world.
+    for rank, runs in enumerate(hardening_runs["ranks"]):
+        seen = _fine(runs["pending_then_new_world"], rank, "pending_then_new_world")
+        refused, unreduced = seen["refused"], seen["unreduced"]
+        assert refused.get("error") == "RuntimeError", seen
+        assert "over another one, of 1 ranks" in refused["message"], seen
+        assert (
+            "call flush() on every rank before tearing a process group down" in refused["message"]
+        )
+        assert unreduced.get("error") == "RuntimeError", seen
+        assert (
+            "the loss of step 1 will never be reduced: the process group changed"
+            in (unreduced["message"])
+        )
+        assert seen["after"] == {"values": 2, "seconds": seen["after"]["seconds"]}, seen
 
 
 def test_a_rank_with_one_step_more_in_all_pairs_by_index_then_times_out() -> None:

@@ -143,8 +143,8 @@ class MachineModel(RuleBasedStateMachine):
     @rule()
     def trace(self) -> None:
         step = self.step
-        error = "no_step" if step is None else "traced_after_eager" if step.scaled else None
-        self.apply(error, lambda: machine.trace(self.state))
+        start = self.apply(self.closed_error(), lambda: machine.trace(self.state))
+        assert start == (None if step is None else step.scaled)
 
     @rule(microbatch=INDICES)
     def factor(self, microbatch: object) -> None:

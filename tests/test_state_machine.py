@@ -233,7 +233,8 @@ class Outcome:
     weight_total: int
     loss: Fraction | None  # None: some loss of positive weight was NaN
     terms: int
-    status: str  # "ready", "pending" (next_step), "orphaned" (never reduced), "poisoned"
+    status: str  # "ready", "pending" (next_step), "orphaned" (never reduced), "dropped" (by a
+    # load), "poisoned"
 
 
 class AccumulatorMachine(RuleBasedStateMachine):
@@ -374,10 +375,12 @@ class AccumulatorMachine(RuleBasedStateMachine):
                     assert nonfinite.item() is False
                 seen.append((counts, loss.item().hex()))
             else:
-                error = DisagreementError if outcome.status == "poisoned" else RuntimeError
+                error = ValueError if outcome.status == "poisoned" else RuntimeError
                 for name in ("loss", "nonfinite_loss"):
                     raised = expect_error(lambda r=result, n=name: getattr(r, n), error)
-                    if outcome.status != "poisoned":
+                    if outcome.status == "dropped":
+                        assert "replaced by load_state_dict()" in str(raised)
+                    elif outcome.status != "poisoned":
                         assert "loss_logging" in str(raised)
                 seen.append((counts, None))
         assert all(item == seen[0] for item in seen), seen  # the same on every rank
@@ -391,12 +394,12 @@ class AccumulatorMachine(RuleBasedStateMachine):
 
     def _settling(self, rank: int, call: Any) -> Any:
         """``call()`` on a rank that may hold the failed reduction of a step that could not be
-        reduced: if nothing reported its DisagreementError yet, the first call that settles it
-        raises it, once; an error already reported is not raised again."""
+        reduced: if nothing reported its error yet, the first call that settles it raises it,
+        once; an error already reported is not raised again."""
         stale, self.stale[rank] = self.stale[rank], None
         if stale != "unreported":
             return call()
-        with pytest.raises(DisagreementError, match="cannot be reduced"):
+        with pytest.raises(ValueError, match=r"2\*\*62 or more"):
             call()
         return call()
 
@@ -751,9 +754,10 @@ class AccumulatorMachine(RuleBasedStateMachine):
         for acc in self.accs:
             acc.load_state_dict(copy.deepcopy(state))
             assert acc.state_dict() == expected
-        # A loss still waiting for loss_logging="next_step" is not saved, and loading drops it.
+        # A loss still waiting for loss_logging="next_step" is not saved, and loading drops it:
+        # its result says so (an Accumulator made afresh leaves the old one's waiting).
         if self.pending is not None:
-            self.pending.status = "orphaned"
+            self.pending.status = "orphaned" if fresh else "dropped"
             self._check_outcome(self.pending)
             self.pending = None
 
@@ -762,7 +766,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
 
     def _overflow(self, data: st.DataObject, count_first: bool) -> None:
         """Every count is valid, but a total of the step reaches 2**62: every rank gets a
-        DisagreementError that names the count instead of numbers, and abandon() recovers."""
+        ValueError that names the count instead of numbers, and abandon() recovers."""
         weighting = data.draw(st.booleans(), label="weighting")
         name = self.weight_name if weighting else self.other_name
         big = [2**61, data.draw(st.integers(2**61, 2**62 - 1))]
@@ -782,7 +786,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
             read = data.draw(st.booleans(), label="read")
             for rank, acc in enumerate(self.accs):
                 if read:
-                    with pytest.raises(DisagreementError, match=rf"total {name} .* 2\*\*62"):
+                    with pytest.raises(ValueError, match=rf"total {name} .* 2\*\*62"):
                         acc.scale_loss(torch.tensor(1.0))
                 self.stale[rank] = "reported" if read or reported else "unreported"
         else:
@@ -796,8 +800,8 @@ class AccumulatorMachine(RuleBasedStateMachine):
                     acc.scale_loss(param * 1.0, **counts).backward()
             before = [param.grad.clone() for param in params]  # type: ignore[union-attr]
 
-            def refused_end(rank: int, _: InProcessCollective) -> DisagreementError:
-                with pytest.raises(DisagreementError) as refused:
+            def refused_end(rank: int, _: InProcessCollective) -> ValueError:
+                with pytest.raises(ValueError) as refused:
                     self.accs[rank].end()
                 return refused.value
 
@@ -915,17 +919,9 @@ class AccumulatorMachine(RuleBasedStateMachine):
                 ]
             )
         )
-        if kind == "option":
-            name = data.draw(st.sampled_from(OPTIONS))
-            choices = {
-                "weight_by": ["tokens", "samples"],
-                "loss_reduction": ["mean", "sum"],
-                "loss_logging": ["end", "next_step"],
-                "grad_reduction": ["mean", "sum", 2.0, 3.5],
-                "framework_divides_loss_by": [1, 2, 0.25],
-            }[name]
-            current = bad["options"][name]
-            bad["options"][name] = data.draw(st.sampled_from([c for c in choices if c != current]))
+        if kind == "option":  # the one option a saved state must match: the rest is configuration
+            name = "weight_by"
+            bad["options"][name] = "samples" if bad["options"][name] == "tokens" else "tokens"
             names: tuple[str, ...] = (name,)
         elif kind == "options_not_dict":
             bad["options"] = data.draw(st.sampled_from([None, "options", list(OPTIONS)]))

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lossweight import Accumulator, count_tokens, token_cross_entropy
@@ -148,21 +148,21 @@ def test_correct_loops_pass(step) -> None:
 
 
 BUGS = {
-    "naive": (naive, "uneven microbatches", "this is what loss / accumulation_steps gives"),
+    "naive": (naive, "1 rank: uneven microbatches", "this is what loss / accumulation_steps gives"),
     "counts_padding": (
         counts_padding,
-        "uneven microbatches",
+        "1 rank: uneven microbatches",
         "weighted by counts other than those of the items their losses cover",
     ),
     "forgets_the_average": (
         forgets_the_average,
-        "2 ranks, sorted by count",
+        "2 ranks: sorted by count",
         "the gradient is 1/2 of the reference: the data-parallel average over the ranks is "
         "not undone",
     ),
     "rank_local_count": (
         rank_local_count,
-        "2 ranks, sorted by count",
+        "2 ranks: sorted by count",
         "each rank weights its microbatches against its own total: the count is not reduced",
     ),
 }
@@ -198,7 +198,7 @@ def test_an_empty_microbatch_nan_is_reported() -> None:
         assert_split_invariant(unguarded, model(), examples(), collate, counts=counts())
     report = str(failure.value)
     entry = re.search(
-        r"- 'a rank with no items'.*?\n(.*?)\n.*?likely cause: ([^\n]+)", report, re.S
+        r"- '2 ranks: a rank with no items'.*?\n(.*?)\n.*?likely cause: ([^\n]+)", report, re.S
     )
     assert entry is not None, report
     assert entry.group(1).strip() == "the gradient holds NaN or inf", report
@@ -208,16 +208,211 @@ def test_an_empty_microbatch_nan_is_reported() -> None:
 def test_default_splits_are_partitions_with_the_hard_cases() -> None:
     splits = default_splits(counts())
     names = {split.name for split in splits}
-    assert {"an empty microbatch", "a rank with no items", "a rank with no microbatch"} <= names
+    for size in (2, 3):
+        hard = ("an empty microbatch", "a rank with no items", "a rank with no microbatch")
+        assert {f"{size} ranks: {name}" for name in hard} <= names
+    assert {len(split.ranks) for split in splits} == {1, 2, 3}
     for split in splits:
         items = sorted(i for rank in split.ranks for mb in rank for i in mb)
         assert items == list(range(len(LENGTHS))), split
-    no_items = next(split for split in splits if split.name == "a rank with no items")
+    no_items = next(split for split in splits if split.name == "2 ranks: a rank with no items")
     assert [counts()[i] for mb in no_items.ranks[1] for i in mb] == [0]  # the all-padding row
     assert all(
         not any(len(mb) == 0 for rank in split.ranks for mb in rank) and all(split.ranks)
         for split in default_splits(counts(), empty_microbatches=False)
     )
+
+
+def test_default_splits_of_a_world_size_have_that_many_ranks_and_need_enough_examples() -> None:
+    splits = default_splits([1] * 6, world_size=4)
+    assert len(splits) == 6 and {len(split.ranks) for split in splits} == {4}
+    # With every count 1, each split still holds microbatches or ranks of different sizes.
+    uneven = next(split for split in splits if split.name == "4 ranks: uneven microbatches")
+    assert [len(mb) for mb in uneven.ranks[0]] == [1, 2]
+    with pytest.raises(ValueError) as refused:
+        default_splits([1] * 5, world_size=4)
+    assert str(refused.value) == (
+        "counts has 5 entries; the default splits of 4 ranks need at least 6 examples, one "
+        "count each"
+    )
+    with pytest.raises(ValueError, match=r"world_size=0; pass a positive int, or None"):
+        default_splits([1] * 6, world_size=0)
+
+
+# What a check needs to compare something; what it refuses, and why.
+
+
+def zero_gradient(model, microbatches, collective):
+    """A loss that does not reach the parameters: every gradient is 0."""
+    for x, y in microbatches:
+        loss_sum, _ = token_cross_entropy(model(x), y, shift=True)
+        (loss_sum * 0).backward()
+
+
+def test_a_step_that_trains_a_model_of_its_own_fails_saying_why() -> None:
+    trained = model()  # the step's own, as a module-level model would be
+    optimizer = torch.optim.SGD(trained.parameters(), lr=0.5)
+
+    def trains_its_own(_, microbatches, collective):
+        optimizer.zero_grad()
+        hand_written(trained, microbatches, collective)
+        optimizer.step()  # the next run starts from the weights this one leaves
+
+    with pytest.raises(AssertionError) as failure:
+        assert_split_invariant(trains_its_own, trained, examples(), collate, counts=counts())
+    assert str(failure.value).startswith(
+        "the step changed the model passed to assert_split_invariant (parameter '0.weight' "
+        "differs after a run), though every run gets a copy of it"
+    )
+    # Given another model, the step leaves the copies it gets untouched: zeros against zeros.
+    with pytest.raises(AssertionError) as failure:
+        assert_split_invariant(trains_its_own, model(), examples(), collate, counts=counts())
+    assert str(failure.value).startswith(
+        "the step left no gradient on the model it was given (the .grad of every parameter "
+        "that requires one is None or 0 after the whole batch), so the check would compare "
+        "nothing: it trains another model"
+    )
+
+
+def test_a_step_whose_gradient_is_zero_fails_saying_why() -> None:
+    with pytest.raises(AssertionError, match=r"^the step left no gradient on the model it was"):
+        assert_split_invariant(zero_gradient, model(), examples(), collate, counts=counts())
+
+
+def test_splits_that_compare_nothing_are_refused() -> None:
+    whole = Split.of("one microbatch", [[list(range(8))]])
+    for splits, message in (
+        ([], "splits is empty, so the check would compare nothing: give at least one Split"),
+        ([whole], "every split in splits is the whole batch in one microbatch on one rank"),
+    ):
+        with pytest.raises(ValueError) as refused:
+            assert_split_invariant(naive, model(), examples(), collate, splits=splits)
+        assert str(refused.value).startswith(message)
+
+
+def test_splits_that_do_not_hold_every_example_once_are_refused() -> None:
+    whole = Split.of("2 microbatches", [[list(range(4)), list(range(4, 8))]])
+    split = Split.of("mine", [[[0, 1, 2], [2, 3, 9]], [[4, 5, 6]]])
+    with pytest.raises(ValueError) as refused:
+        assert_split_invariant(count_first, model(), examples(), collate, splits=[whole, split])
+    assert str(refused.value) == (
+        "splits[1] ('mine') must hold each of examples 0 to 7 once: it misses [7], holds more "
+        "than once [2], holds what is no example [9]"
+    )
+
+
+def test_a_batch_too_small_to_split_is_refused_naming_the_minimum() -> None:
+    # One example fills every microbatch of every split alike: the naive loop passed.
+    for size in (1, 4):
+        with pytest.raises(ValueError) as refused:
+            assert_split_invariant(naive, model(), examples()[:size], collate)
+        assert str(refused.value).startswith(
+            f"len(examples) is {size}; the default splits of 1, 2 and 3 ranks need at least 5 "
+            "examples: give 5 or more"
+        )
+    single = Split.of("an empty microbatch", [[[0], []]])
+    with pytest.raises(ValueError) as refused:
+        assert_split_invariant(naive, model(), examples()[:1], collate, splits=[single])
+    assert str(refused.value).endswith("nothing could differ: give at least 2 examples")
+    with pytest.raises(AssertionError, match="loss / accumulation_steps"):
+        assert_split_invariant(naive, model(), examples()[:5], collate, counts=counts()[:5])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"counts": [1] * 7}, "counts has 7 entries but examples has 8; give one count per"),
+        ({"counts": [1, -1] * 4}, "counts[1]=-1 is negative; give each example's number of"),
+        ({"rtol": float("nan")}, "rtol=nan; pass a finite number of 0 or more"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_them(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        assert_split_invariant(count_first, model(), examples(), collate, **kwargs)
+    assert str(refused.value).startswith(message)
+
+
+def dropout_model(noise: bool = False) -> torch.nn.Module:
+    """model() with a Dropout(0.5) in train mode, and with noise, a dropout called as a
+    function, which no module shows."""
+
+    class Noise(torch.nn.Module):
+        def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+            return F.dropout(hidden, 0.5, training=noise)
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(VOCABULARY, 6),
+        torch.nn.Dropout(0.5),
+        Noise(),
+        torch.nn.Tanh(),
+        torch.nn.Linear(6, VOCABULARY),
+    ).double()
+
+
+def test_a_correct_loop_with_dropout_in_train_mode_passes() -> None:
+    # Each microbatch draws its masks for its own shape: compared as they were, the splits
+    # differed by as much as the masks do, and the report blamed the counts.
+    assert_split_invariant(count_first, dropout_model(), examples(), collate, counts=counts())
+
+
+def test_a_report_names_the_dropout_run_in_eval_mode() -> None:
+    with pytest.raises(AssertionError) as failure:
+        assert_split_invariant(naive, dropout_model(), examples(), collate, counts=counts())
+    report = str(failure.value)
+    assert "this is what loss / accumulation_steps gives" in report, report
+    assert report.endswith(
+        "\n'1' (Dropout) ran in eval mode in every run: dropout's mask depends on the "
+        "microbatch's shape, so no two splits would draw the same"
+    )
+
+
+def test_randomness_no_module_shows_is_reported_as_such() -> None:
+    with pytest.raises(AssertionError) as failure:
+        assert_split_invariant(
+            count_first, dropout_model(noise=True), examples(), collate, counts=counts()
+        )
+    report = str(failure.value)
+    assert report.startswith(
+        "the step is not deterministic: two runs of the whole batch in one microbatch, from "
+        "the same weights, differ: the gradient is off by"
+    ), report
+    assert report.endswith("(the checker already runs '1' (Dropout) in eval mode)"), report
+
+
+class Normalized(torch.nn.Module):
+    """model() with batch norm between the embedding and the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCABULARY, 6)
+        self.norm = torch.nn.BatchNorm1d(6)
+        self.out = torch.nn.Linear(6, VOCABULARY)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        return self.out(self.norm(hidden.flatten(0, 1)).view_as(hidden).tanh())
+
+
+def test_batch_norm_in_eval_mode_passes_and_in_train_mode_is_refused() -> None:
+    normalized = Normalized().double()
+    with pytest.raises(ValueError) as refused:
+        assert_split_invariant(count_first, normalized, examples(), collate, counts=counts())
+    assert str(refused.value).startswith(
+        "model has batch norm in train mode, in 'norm' (BatchNorm1d): it normalizes each "
+        "microbatch by that microbatch's statistics"
+    )
+    with torch.no_grad():
+        normalized(collate(examples())[0])  # running statistics other than 0 and 1
+    normalized.eval()
+    assert_split_invariant(count_first, normalized, examples(), collate, counts=counts())
+
+
+def test_a_frozen_layer_passes() -> None:
+    frozen = model()
+    frozen[2].requires_grad_(False)
+    assert_split_invariant(scale_after, frozen, examples(), collate, counts=counts(), rtol=1e-10)
 
 
 # The in-process group.
@@ -290,6 +485,36 @@ def test_run_bounds_a_wait_for_a_busy_rank_by_the_timeout() -> None:
         group.run(rank_1_is_slow)
 
 
+def test_a_failed_run_leaves_the_group_clean() -> None:
+    group = InProcessGroup(2)
+    handles = []
+
+    def rank_1_fails_first(rank: int, collective: InProcessCollective) -> None:
+        if rank == 1:
+            raise ValueError("rank 1 fails before its all-reduce")
+        handles.append(collective.all_reduce_sum(torch.full((1,), 100.0, dtype=torch.float64)))
+        handles[0].wait()
+
+    with pytest.raises(ValueError, match="rank 1 fails before its all-reduce"):
+        group.run(rank_1_fails_first)
+    # Rank 1's next all-reduce paired with rank 0's 100 of the failed run, and rank 0's next
+    # one waited for a partner in vain: the report blamed the step run next.
+    assert group.run(reduce_once) == [[3.0], [3.0]]
+    assert group.calls == [2, 1]
+    with pytest.raises(
+        RuntimeError,
+        match=r"^all-reduce 0 of rank 0 was abandoned when a run of this group failed before "
+        r"every rank started it",
+    ):
+        handles[0].wait()
+    # Driven from one thread, the ranks pair up as well.
+    tensors = [torch.ones(1), torch.full((1,), 4.0)]
+    pending = [group.collective(rank).all_reduce_sum(t) for rank, t in enumerate(tensors)]
+    for handle in pending:
+        handle.wait()
+    assert [t.tolist() for t in tensors] == [[5.0], [5.0]]
+
+
 def test_run_is_not_reentrant() -> None:
     group = InProcessGroup(1)
     with pytest.raises(RuntimeError, match="already running: it is not reentrant; call it"):
@@ -338,44 +563,98 @@ def test_the_strategies_draw_valid_splits_and_labels(data: st.DataObject) -> Non
 @settings(max_examples=60, deadline=None)
 @given(lst.splits(8, max_ranks=3, max_microbatches=3), st.sampled_from([count_first, scale_after]))
 def test_lossweight_is_split_invariant_on_drawn_splits(ranks, step) -> None:
+    assume(len(ranks) > 1 or len(ranks[0]) > 1)  # the reference's own split is refused
     assert_split_invariant(
         step, model(), examples(), collate, splits=[Split.of("drawn", ranks)], rtol=1e-10
     )
 
 
+GLOO_WORLD = 4  # none of the simulated worlds, of 1, 2 and 3 ranks
+
+
+def _shards() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    rows = examples()
+    return [
+        [collate(rows[:3]), collate([])],
+        [collate(rows[3:5])],
+        [collate(rows[5:7])],
+        [collate(rows[7:])],
+    ]
+
+
 def _under_gloo(rank: int, world_size: int) -> dict:
     outcome = {}
-    splits = [s for s in default_splits(counts()) if len(s.ranks) == world_size]
     for name, step in (("count_first", count_first), ("naive", naive)):
         try:
             assert_split_invariant(step, model(), examples(), collate, counts=counts(), rtol=1e-10)
             outcome[name] = "passed"
         except AssertionError as failure:
             outcome[name] = str(failure)
-    shards = [[collate(examples()[:3]), collate([])], [collate(examples()[3:])]]
-    outcome["loss"] = count_first(model(), shards[rank], ProcessGroupCollective()).loss.item()
-    outcome["splits"] = len(splits)
+    for name, kwargs in (
+        ("other_world", {"splits": default_splits(counts())}),
+        ("other_examples", {"counts": counts()[: 7 if rank == 3 else 8]}),
+    ):
+        rows = examples()[: len(kwargs.get("counts", LENGTHS))]
+        try:
+            assert_split_invariant(count_first, model(), rows, collate, **kwargs)
+            outcome[name] = "passed"
+        except ValueError as refused:
+            outcome[name] = str(refused)
+    outcome["loss"] = count_first(model(), _shards()[rank], ProcessGroupCollective()).loss.item()
     return outcome
 
 
-def test_the_simulated_group_agrees_with_real_gloo_ranks() -> None:
-    outcomes = gloo.values(gloo.run_ranks(2, _under_gloo, deadline=60))
-    assert outcomes[0] == outcomes[1]
-    real = outcomes[0]
+@pytest.fixture(scope="module")
+def under_gloo() -> list[dict]:
+    return gloo.values(gloo.run_ranks(GLOO_WORLD, _under_gloo, deadline=90))
+
+
+def test_the_simulated_group_agrees_with_real_gloo_ranks(under_gloo: list[dict]) -> None:
+    real = under_gloo[0]
+    assert all(outcome["count_first"] == real["count_first"] for outcome in under_gloo)
     assert real["count_first"] == "passed"
-    # The same 2-rank splits in this process give the same report, to the printed digits.
-    two_ranks = [s for s in default_splits(counts()) if len(s.ranks) == 2]
-    assert real["splits"] == len(two_ranks) >= 3
+    # The same splits of 4 ranks in this process give the same report, to the printed digits.
     with pytest.raises(AssertionError) as failure:
-        assert_split_invariant(naive, model(), examples(), collate, splits=two_ranks, rtol=1e-10)
-    assert real["naive"] == str(failure.value)
-    group = InProcessGroup(2)
-    shards = [[collate(examples()[:3]), collate([])], [collate(examples()[3:])]]
-    replicas = [model(), model()]  # made here: seeding in the threads would race
+        assert_split_invariant(
+            naive,
+            model(),
+            examples(),
+            collate,
+            counts=counts(),
+            splits=default_splits(counts(), world_size=GLOO_WORLD),
+            rtol=1e-10,
+        )
+    assert all(outcome["naive"] == str(failure.value) for outcome in under_gloo)
+    group = InProcessGroup(GLOO_WORLD)
+    shards = _shards()
+    replicas = [model() for _ in shards]  # made here: seeding in the threads would race
     simulated = group.run(
         lambda rank, collective: count_first(replicas[rank], shards[rank], collective)
     )
-    assert [r.loss.item() for r in simulated] == [real["loss"]] * 2
+    assert [r.loss.item() for r in simulated] == [outcome["loss"] for outcome in under_gloo]
+
+
+def test_under_torch_distributed_every_split_has_its_world_size(under_gloo: list[dict]) -> None:
+    # The naive loop passed in a world of 4 processes while every default split had 1 to 3
+    # ranks, and none of those could run on 4 processes: the check compared nothing.
+    report = under_gloo[0]["naive"]
+    assert report.startswith("the step depends on how its 8 examples are split: 6 of 6 splits")
+    splits = re.findall(r"^- '([^']*)'", report, re.M)
+    assert len(splits) == 6 and all(name.startswith("4 ranks: ") for name in splits), report
+    assert "this is what loss / accumulation_steps gives" in report, report
+    assert all(outcome["other_world"] == under_gloo[0]["other_world"] for outcome in under_gloo)
+    assert under_gloo[0]["other_world"] == (
+        "splits[0] ('1 rank: uneven microbatches') has 1 rank, but torch.distributed runs 4 "
+        "processes, which are the ranks of every split: give splits of 4 ranks, or leave "
+        "splits out for default_splits(counts, world_size=4)"
+    )
+    # Rank 3 passes 7 examples, the others 8: every rank refuses, none hangs.
+    assert [outcome["other_examples"] for outcome in under_gloo] == [
+        f"rank {3 if rank < 3 else 0} called assert_split_invariant with other examples and "
+        f"counts than rank {rank} (as many examples, with the same counts and splits, must run "
+        "on every process): every process passes the same arguments"
+        for rank in range(GLOO_WORLD)
+    ]
 
 
 def test_only_the_strategies_import_hypothesis() -> None:

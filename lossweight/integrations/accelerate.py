@@ -34,18 +34,27 @@ skips the gradient synchronization before it, whatever accelerate's own counter 
                 optimizer.step()
                 optimizer.zero_grad()
 
+A scale-after step's gradients are provisional until ``end_if_sync()`` rescales them, so the
+helper refuses each way of using them before: ``end_if_sync()`` called before the backward of a
+loss that ``scale_loss()`` returned, an optimizer that ``accelerator.prepare()`` returned
+stepping while the step is still open, and the next ``accumulate()`` block of a step whose last
+microbatch ran without ``end_if_sync()``.
+
 Relies on these ``Accelerator`` attributes: ``gradient_accumulation_steps`` (what ``backward``
 divides by, and what DeepSpeed's engine divides by), ``sync_gradients`` (read, and set in a
-count-first step), ``accumulate()``, ``no_sync()``, ``num_processes`` and
-``distributed_type``. Under DeepSpeed, ``accelerator.backward()`` steps the optimizer itself at
-the step's last microbatch, before ``end()``: count first there (scaling after is refused).
-DeepSpeed is not covered by the tests.
+count-first step), ``accumulate()``, ``no_sync()``, ``num_processes``, ``distributed_type``
+and ``_optimizers`` (the optimizers ``prepare()`` returned, whose steps are watched). Under
+DeepSpeed, ``accelerator.backward()`` steps the optimizer itself at the step's last
+microbatch, before ``end()``: count first there (scaling after is refused). DeepSpeed is not
+covered by the tests.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal, TypeVar
 
@@ -55,7 +64,7 @@ from accelerate import Accelerator  # type: ignore[import-untyped]  # ships no p
 from accelerate.utils import DistributedType  # type: ignore[import-untyped]
 
 from ..accumulator import Accumulator, Count, Counts, StepContext
-from ..machine import COUNT_FIRST
+from ..machine import COUNT_FIRST, SCALE_AFTER
 from ..result import StepResult
 from ..weighting import GradReduction, LossReduction
 
@@ -106,6 +115,12 @@ class AcceleratorAccumulator:
         )
         self.result: StepResult | None = None
         self._windows = 0  # the accumulate() blocks of the open count-first step
+        # The losses scale_loss() returned in the open scale-after step that a backward went
+        # through (a hook on each counts it).
+        self._backpropagated = 0
+        # The scale-after step whose last microbatch's accumulate() block ended with it open.
+        self._unended = 0
+        self._watched: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
     @property
     def step_open(self) -> bool:
@@ -133,8 +148,13 @@ class AcceleratorAccumulator:
         model = self._model(model)
         step = self.accumulator.state.step  # the step machine's state: read, never copied
         if step is None or step.mode != COUNT_FIRST:
+            if step is not None and step.number == self._unended:
+                raise _unended(step.number)
             with self.accelerator.accumulate(model):
                 yield
+            step = self.accumulator.state.step
+            if step is not None and self.accelerator.sync_gradients:
+                self._unended = step.number
             return
         # This microbatch's position is the number of accumulate() blocks the step opened
         # before it: the machine's count of scaled microbatches stays 0 where scale_loss() runs
@@ -164,14 +184,30 @@ class AcceleratorAccumulator:
                     "give the step's counts to begin() before its first microbatch"
                 )
             self.accumulator.begin(parameters=self._model(None).parameters())
-        return self.accumulator.scale_loss(loss, num_samples=num_samples, num_tokens=num_tokens)
+            self._backpropagated = 0
+            self._watch_optimizers()
+        step = self.accumulator.state.step
+        scaled = self.accumulator.scale_loss(loss, num_samples=num_samples, num_tokens=num_tokens)
+        if step is not None and step.mode == SCALE_AFTER and scaled.requires_grad:
+            scaled.register_hook(self._count_backpropagated)  # type: ignore[no-untyped-call]
+        return scaled
 
     def end_if_sync(self) -> StepResult | None:
         """End the step if ``accelerator.sync_gradients`` is true (the step's last microbatch):
         after its ``backward()``, before clipping and ``optimizer.step()``. Returns the
         :class:`lossweight.StepResult`, also kept in :attr:`result`; None otherwise."""
-        if not self.accelerator.sync_gradients or not self.accumulator.step_open:
+        step = self.accumulator.state.step
+        if not self.accelerator.sync_gradients or step is None:
             return None
+        if step.mode == SCALE_AFTER and self._backpropagated < step.scaled:
+            raise RuntimeError(
+                f"end_if_sync() was called in step {step.number} when only "
+                f"{self._backpropagated} of the {step.scaled} losses that scale_loss() returned "
+                "had gone through accelerator.backward(): ending the step now rescales the "
+                "gradients without the later ones, which keep their provisional factors; call "
+                "end_if_sync() after accelerator.backward(lw.scale_loss(...)), before clipping "
+                "and optimizer.step()"
+            )
         self.result = self.accumulator.end()
         return self.result
 
@@ -190,6 +226,27 @@ class AcceleratorAccumulator:
         iterator = iter(batches)
         while window := list(itertools.islice(iterator, self.gradient_accumulation_steps)):
             yield window
+
+    def _count_backpropagated(self, grad: torch.Tensor) -> None:
+        self._backpropagated += 1
+
+    def _watch_optimizers(self) -> None:
+        """Hook the step of each prepared optimizer of the model's parameters, once: it must
+        not step on a scale-after step's provisional gradients. An optimizer of another model
+        may step while this one's step is open."""
+        # The torch optimizers that accelerate wraps: theirs is the step that updates.
+        optimizers = [getattr(o, "optimizer", o) for o in self.accelerator._optimizers]
+        new = [optimizer for optimizer in optimizers if optimizer not in self._watched]
+        if not new:
+            return
+        parameters = {id(parameter) for parameter in self._model(None).parameters()}
+        reference = weakref.ref(self)
+        for optimizer in new:
+            self._watched.add(optimizer)
+            if any(
+                id(p) in parameters for group in optimizer.param_groups for p in group["params"]
+            ):
+                optimizer.register_step_pre_hook(functools.partial(_before_step, reference))
 
     def _model(self, model: torch.nn.Module | None) -> Any:
         model = model if model is not None else self.model
@@ -216,3 +273,21 @@ class AcceleratorAccumulator:
                 f"{self.accelerator.num_processes} processes; lossweight reduces over the "
                 "default group, which must be the Accelerator's data-parallel world"
             )
+
+
+def _before_step(reference: weakref.ref[AcceleratorAccumulator], optimizer: Any, *_: Any) -> None:
+    """A prepared optimizer's step pre-hook: the step of the model's lossweight step must have
+    ended. Holds the helper weakly, so that one dropped does not outlive its loop."""
+    helper = reference()
+    step = helper.accumulator.state.step if helper is not None else None
+    if step is not None and step.mode == SCALE_AFTER:
+        raise _unended(step.number)
+
+
+def _unended(step: int) -> RuntimeError:
+    return RuntimeError(
+        f"the gradients of step {step} are still provisional: accelerate synchronized them at "
+        "its last microbatch, and end_if_sync() was not called to rescale them; call "
+        "lw.end_if_sync() after accelerator.backward() in every microbatch, before clipping and "
+        "optimizer.step()"
+    )

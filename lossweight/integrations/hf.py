@@ -114,7 +114,9 @@ class LossweightTrainer(Trainer):
         if self.accumulator.step_open:  # a step that an exception or a stop left unfinished
             self.accumulator.abandon()
         if batches:  # every rank fetches as many batches as the others
-            self.accumulator.begin(**self._counts(batches))
+            # Numbered by the optimizer step it makes: a rank out of step is caught at once.
+            counts = self._counts(batches)
+            self.accumulator.begin(**counts, step=self.state.global_step + 1)
         return batches, None
 
     def training_step(

@@ -28,6 +28,12 @@ Each window begins with the parameters' gradients set to None (where Lightning's
 optimization would zero them a moment later), since a scale-after step rescales every gradient
 they hold at its end.
 
+Every backward of a window must go through a loss that :meth:`LossweightCallback.scale_loss`
+returned, and every such loss through a backward before the step ends: either slip would
+rescale a gradient the factors do not describe, so the callback raises there. Outside training
+(validation, test, prediction), :meth:`LossweightCallback.scale_loss` returns the loss as given,
+so that a helper shared with ``validation_step`` leaves the training step alone.
+
 The Accumulator reduces over the default process group, found when each step begins (the one
 Lightning's DDP or FSDP strategy started), with ``grad_reduction="mean"`` as those strategies
 average the gradients.
@@ -89,8 +95,14 @@ class LossweightCallback(pl.Callback):
         self.result: StepResult | None = None
         self._divides = 0.0
         self._module: pl.LightningModule | None = None
+        self._trainer: pl.Trainer | None = None
+        # The losses scale_loss() returned in the open step that a backward went through (a
+        # hook on each counts it), and their number when the current backward began.
+        self._backpropagated = 0
+        self._backpropagated_before = 0
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
         if stage == "fit":
             self._accumulator(trainer, pl_module)
 
@@ -101,7 +113,7 @@ class LossweightCallback(pl.Callback):
         if not accumulator.step_open:  # the first batch of an accumulation window
             pl_module.zero_grad(set_to_none=True)
             accumulator.begin(parameters=pl_module.parameters())
-            self._module = pl_module
+            self._module, self._backpropagated = pl_module, 0
 
     def scale_loss(
         self,
@@ -112,21 +124,37 @@ class LossweightCallback(pl.Callback):
     ) -> torch.Tensor:
         """The microbatch's loss, weighted, to return from ``training_step`` (automatic
         optimization) or to pass to ``manual_backward`` (manual). The counts are this
-        microbatch's: the one named by ``weight_by`` is required."""
+        microbatch's: the one named by ``weight_by`` is required. Outside training
+        (validation, test, prediction) it returns ``loss`` itself and counts nothing."""
+        if self._trainer is not None and not self._trainer.training:
+            return loss
         if self.accumulator is None or not self.accumulator.step_open:
             raise RuntimeError(
                 "LossweightCallback.scale_loss() was called outside a training batch; add the "
                 "callback to the Trainer (or return it from configure_callbacks()) so that it "
                 "begins each step in on_train_batch_start"
             )
-        return self.accumulator.scale_loss(loss, num_samples=num_samples, num_tokens=num_tokens)
+        scaled = self.accumulator.scale_loss(loss, num_samples=num_samples, num_tokens=num_tokens)
+        if scaled.requires_grad:
+            scaled.register_hook(self._count_backpropagated)  # type: ignore[no-untyped-call]
+        return scaled
 
     def end(self) -> StepResult:
         """End the step now, rescaling the gradients, and log its loss and counts. Called by
         ``on_before_optimizer_step``; call it yourself in manual optimization to clip the
         gradients before ``optimizer.step()``."""
-        if self.accumulator is None or not self.accumulator.step_open or self._module is None:
+        step = self.accumulator.state.step if self.accumulator is not None else None
+        if self.accumulator is None or step is None or self._module is None:
             raise RuntimeError("LossweightCallback.end() was called with no step open")
+        if self._backpropagated < step.scaled:
+            raise RuntimeError(
+                f"step {step.number} ends, but only {self._backpropagated} of the {step.scaled} "
+                "losses that LossweightCallback.scale_loss() returned in it went through "
+                "backward(): a loss scaled and not back-propagated counts in the step's weights "
+                "and logged loss without adding its gradient. Call scale_loss() once per "
+                "microbatch and return its value from training_step (or pass it to "
+                "manual_backward())"
+            )
         result = self.accumulator.end()
         self.result = result
         weight_by = self._options["weight_by"]
@@ -143,6 +171,22 @@ class LossweightCallback(pl.Callback):
             )
         return result
 
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        self._backpropagated_before = self._backpropagated
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.accumulator is not None and self._backpropagated == self._backpropagated_before:
+            name = f"num_{self._options['weight_by']}"
+            raise RuntimeError(
+                "a backward() during training went through no loss that "
+                "LossweightCallback.scale_loss() returned, so the end of the step would rescale "
+                "a gradient that no factor weighted; return the callback's "
+                f"scale_loss(loss, {name}=...) from training_step (automatic optimization) or "
+                "pass it to manual_backward() (manual optimization)"
+            )
+
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
@@ -153,6 +197,9 @@ class LossweightCallback(pl.Callback):
         # A window that no optimizer step closed (a stopped run) is dropped on every rank.
         if self.accumulator is not None and self.accumulator.step_open:
             self.accumulator.abandon()
+
+    def _count_backpropagated(self, grad: torch.Tensor) -> None:
+        self._backpropagated += 1
 
     def _accumulator(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Accumulator:
         """The Accumulator, rebuilt between steps when what Lightning divides the loss by

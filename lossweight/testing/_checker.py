@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,23 @@ from ._group import InProcessGroup
 
 Step = Callable[[torch.nn.Module, list[Any], Collective], Any]
 Gradients = list[torch.Tensor]
+
+# The worlds the default splits simulate in one process.
+SIMULATED_WORLD_SIZES = (1, 2, 3)
+# Modules that draw random numbers in train mode, as many as the microbatch's shape asks for:
+# no two splits draw the same, whatever their weighting. Every run puts them in eval mode.
+RANDOM_IN_TRAINING = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+    torch.nn.RReLU,
+)
+# Modules whose train-mode output depends on which examples share a microbatch, by design: a
+# difference between splits would be theirs, not the weighting's, so the checker refuses them.
+BATCH_STATISTICS = (torch.nn.modules.batchnorm._BatchNorm,)
 
 
 @dataclass(frozen=True)
@@ -38,48 +56,98 @@ class Split:
         return f"{self.name!r}, examples per microbatch of each rank: {sizes}"
 
 
-def default_splits(counts: Sequence[int], *, empty_microbatches: bool = True) -> list[Split]:
+def _minimum_examples(world_size: int | None) -> int:
+    """How many examples the default splits need: ``world_size + 2``, for a rank of two
+    microbatches of different sizes beside ranks of one example each."""
+    return max(_world_sizes(world_size)) + 2
+
+
+def default_splits(
+    counts: Sequence[int], *, world_size: int | None = None, empty_microbatches: bool = True
+) -> list[Split]:
     """Splits of ``len(counts)`` examples that break naive weighting, from each example's count
     (the number of items its loss covers: tokens, or 1 for a sample).
 
-    Uneven microbatches on one rank, ranks holding very different numbers of items, and, unless
-    ``empty_microbatches=False`` (for loops that cannot run an empty microbatch), an empty
-    microbatch, a rank with no items and a rank with no microbatch. Splits that need more
-    examples than there are are left out.
+    For each world size, 1, 2 and 3 ranks by default or ``world_size`` ranks alone: uneven
+    microbatches on one rank, and with several ranks, ranks sorted by count and one rank of a
+    single large example beside ranks of many small ones; unless ``empty_microbatches=False``
+    (for loops that cannot run an empty microbatch), an empty microbatch, and with several
+    ranks a rank with no items and a rank with no microbatch.
+
+    Raises:
+        ValueError: with fewer than ``world_size + 2`` examples (5 by default), too few to
+            build every split; a split left out would leave its bug unchecked.
     """
+    sizes = _world_sizes(world_size)
+    needed = _minimum_examples(world_size)
+    if len(counts) < needed:
+        raise ValueError(
+            f"counts has {len(counts)} entries; the default splits of {_worlds(sizes)} need at "
+            f"least {needed} examples, one count each"
+        )
+    return [
+        Split.of(f"{_worlds([size])}: {name}", ranks)
+        for size in sizes
+        for name, ranks in _splits_of(counts, size, empty_microbatches)
+    ]
+
+
+def _world_sizes(world_size: int | None) -> tuple[int, ...]:
+    if world_size is None:
+        return SIMULATED_WORLD_SIZES
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}; pass a positive int, or None")
+    return (world_size,)
+
+
+def _worlds(sizes: Sequence[int]) -> str:
+    if len(sizes) == 1:
+        return f"{sizes[0]} rank{'' if sizes[0] == 1 else 's'}"
+    return f"{', '.join(map(str, sizes[:-1]))} and {sizes[-1]} ranks"
+
+
+def _splits_of(
+    counts: Sequence[int], world_size: int, empty_microbatches: bool
+) -> list[tuple[str, list[list[list[int]]]]]:
     n = len(counts)
     order = list(range(n))
     small_first = sorted(order, key=lambda index: counts[index])
-    candidates = []
-    if n >= 3:
-        candidates.append(("uneven microbatches", [[order[:1], order[1:-1], order[-1:]]]))
-        candidates.append(
-            (
-                "one large rank, one of single examples",
-                [[small_first[-1:]], [[i] for i in small_first[:-1]]],
-            )
+    # Rank 0 holds what the other ranks, of one example each, leave: 3 examples or more.
+    kept = n - (world_size - 1)
+    others = _spread(order[kept:], world_size - 1)
+    cases = [("uneven microbatches", [[order[:1], order[1:kept]], *others])]
+    if world_size > 1:
+        cases.append(("sorted by count", _spread(small_first, world_size)))
+        singles = [[[i] for i in part] for [part] in _spread(small_first[:-1], world_size - 1)]
+        cases.append(
+            ("one large example, the other ranks single ones", [[small_first[-1:]], *singles])
         )
-    if n >= 2:
-        half = n // 2
-        candidates.append(
-            ("2 ranks, sorted by count", [[small_first[:half]], [small_first[half:]]])
-        )
-    if n >= 4:
-        candidates.append(
-            (
-                "3 ranks, uneven",
-                [[small_first[:1], small_first[1:2]], [small_first[2:-1]], [small_first[-1:]]],
-            )
-        )
-    if empty_microbatches and n >= 2:
-        candidates.append(("an empty microbatch", [[order[: n // 2], [], order[n // 2 :]]]))
+    if empty_microbatches:
+        half = kept // 2
+        cases.append(("an empty microbatch", [[order[:half], [], order[half:kept]], *others]))
+    if empty_microbatches and world_size > 1:
         empty = [i for i in order if counts[i] == 0]
         full = [i for i in order if counts[i] != 0]
-        no_items = [empty] if empty and full else [[]]
-        rest = full if empty and full else order
-        candidates.append(("a rank with no items", [[rest[:1], rest[1:]], no_items]))
-        candidates.append(("a rank with no microbatch", [[order[1:], order[:1]], []]))
-    return [Split.of(name, ranks) for name, ranks in candidates]
+        if empty and len(full) >= world_size - 1:
+            cases.append(("a rank with no items", [*_spread(full, world_size - 1), [empty]]))
+        else:
+            cases.append(("a rank with no items", [*_spread(order, world_size - 1), [[]]]))
+        cases.append(("a rank with no microbatch", [*_spread(order, world_size - 1), []]))
+    return cases
+
+
+def _spread(items: list[int], ranks: int) -> list[list[list[int]]]:
+    """``items`` in order over ``ranks`` ranks of one microbatch each, the later ones larger by
+    at most one."""
+    if ranks == 0:
+        return []
+    size, larger = divmod(len(items), ranks)
+    parts, start = [], 0
+    for rank in range(ranks):
+        end = start + size + (rank >= ranks - larger)
+        parts.append([items[start:end]])
+        start = end
+    return parts
 
 
 @dataclass
@@ -96,16 +164,23 @@ class _Checker:
         step: Step,
         model: torch.nn.Module,
         examples: Sequence[Any],
+        weights: list[int],
         collate: Callable[[list[Any]], Any],
         grad_reduction: GradReduction | float,
         rtol: float,
     ) -> None:
         self.step, self.model, self.examples, self.collate = step, model, examples, collate
+        self.weights = weights
         self.grad_reduction, self.rtol = grad_reduction, rtol
-        self.names = [name for name, _ in model.named_parameters()]
-        self.distributed = (
-            dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        )
+        # Frozen parameters get no gradient in any run: there is nothing of theirs to compare.
+        self.names = [name for name, p in model.named_parameters() if p.requires_grad]
+        self.random = [
+            f"{name!r} ({type(module).__name__})"
+            for name, module in model.named_modules()
+            if isinstance(module, RANDOM_IN_TRAINING) and module.training
+        ]
+        self.distributed = _distributed()
+        self._before = _state(model)
 
     def run(self, split: Split) -> _Run:
         """The split's step: each rank on its own copy of the model, the ranks' gradients
@@ -124,14 +199,79 @@ class _Checker:
     ) -> tuple[Gradients, float | None]:
         """One rank's step on a copy of the model: its gradients (float64) and logged loss."""
         replica = copy.deepcopy(self.model)
+        for module in replica.modules():
+            if isinstance(module, RANDOM_IN_TRAINING):
+                module.eval()
         replica.zero_grad(set_to_none=True)
         batches = [self.collate([self.examples[i] for i in mb]) for mb in microbatches]
         logged = _as_float(self.step(replica, batches, collective))
+        parameters = dict(replica.named_parameters())
         grads = [
             (p.grad if p.grad is not None else torch.zeros_like(p)).detach().to(torch.float64)
-            for p in replica.parameters()
+            for p in (parameters[name] for name in self.names)
         ]
         return grads, logged
+
+    def reference(self) -> tuple[_Run, str | None]:
+        """The whole batch in one microbatch on one rank, run twice; and why nothing can be
+        compared to it, if so."""
+        whole = [list(range(len(self.examples)))]
+        runs = []
+        for _ in range(2):
+            grads, logged = self.rank(whole, SingleProcess())
+            changed = self.changed()
+            if changed:
+                return _Run(grads, [logged]), changed
+            runs.append(_Run(grads, [logged]))
+        first, second = runs
+        if not all(bool(torch.isfinite(g).all()) for g in first.gradients):
+            return first, (
+                "the step's gradient of the whole batch in one microbatch holds NaN or inf, so "
+                "no split can be compared to it: fix the loss of the whole batch first"
+            )
+        if not any(bool(g.ne(0).any()) for g in first.gradients):
+            return first, (
+                "the step left no gradient on the model it was given (the .grad of every "
+                "parameter that requires one is None or 0 after the whole batch), so the check "
+                "would compare nothing: it trains another model than its first argument (a "
+                "module-level one, say), or its loss does not reach the parameters (detached, "
+                "or computed under torch.no_grad())"
+            )
+        difference = _difference(self, second, first)
+        if difference:
+            known = (
+                f" (the checker already runs {', '.join(self.random)} in eval mode)"
+                if self.random
+                else ""
+            )
+            return first, (
+                "the step is not deterministic: two runs of the whole batch in one microbatch, "
+                f"from the same weights, differ: {difference}. Randomness drawn in train mode "
+                "(dropout called as a function, noise, sampling) differs with the microbatch's "
+                "shape, so every split would differ whatever its weighting; turn it off for the "
+                f"check, or put the modules that draw it in eval mode{known}"
+            )
+        return first, None
+
+    def changed(self) -> str | None:
+        """Why the model given to the checker is no longer as it was, if it is not."""
+        for (what, before), (_, now) in zip(self._before, _state(self.model), strict=True):
+            if not _same(before, now):
+                return (
+                    f"the step changed the model passed to assert_split_invariant ({what} "
+                    "differs after a run), though every run gets a copy of it: it trains that "
+                    "model directly (a module-level one, or one its closure holds), so each run "
+                    "would start from the weights the previous one left; train the model the "
+                    "step is given as its first argument"
+                )
+        return None
+
+    def agreed(self, problem: str | None) -> str | None:
+        """``problem``, or under torch.distributed the first one any process found: all fail
+        together, where one failing alone would leave the others waiting in a collective."""
+        if not self.distributed:
+            return problem
+        return next((found for found in _gathered(problem) if found is not None), None)
 
     def alone(self, microbatches: Sequence[Sequence[int]]) -> Gradients:
         """The gradient of these microbatches as a step of their own, on one rank; zero where
@@ -149,9 +289,7 @@ class _Checker:
         for grad in grads:
             dist.all_reduce(grad)
             grad /= divisor
-        losses: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(losses, logged)
-        return _Run(grads, losses)
+        return _Run(grads, _gathered(logged))
 
 
 def assert_split_invariant(
@@ -170,58 +308,245 @@ def assert_split_invariant(
 
     Args:
         step: ``step(model, microbatches, collective)`` runs one optimizer step's forward and
-            backward passes on one rank (not ``optimizer.step()``) and returns its logged loss:
-            a number, a 0-dim tensor, a :class:`~lossweight.StepResult`, or None to check the
-            gradient only. A step that uses lossweight reduces over ``collective``:
+            backward passes on one rank (not ``optimizer.step()``) on the model it is given
+            and returns its logged loss: a number, a 0-dim tensor, a
+            :class:`~lossweight.StepResult`, or None to check the gradient only. A step that
+            uses lossweight reduces over ``collective``:
             ``Accumulator(..., collective=collective)``.
-        model: the model at the start of the step; each run uses a copy.
-        examples: the examples of one step.
+        model: the model at the start of the step; each run uses a copy, and the step must
+            leave ``model`` itself as it is.
+        examples: the examples of one step: at least ``W + 2`` for the default splits of
+            ``W`` ranks (5 for the simulated ones, of 1, 2 and 3 ranks), at least 2 for
+            ``splits`` of one's own.
         collate: makes one microbatch from a list of examples (an empty list included, unless
             the splits have no empty microbatch).
         counts: each example's count, the number of items its loss covers (its tokens); by
             default 1 each (samples). The default splits are built from them.
-        splits: the splits to check; by default :func:`default_splits` of the counts.
+        splits: the splits to check, each holding every example once; by default
+            :func:`default_splits` of the counts.
         grad_reduction: how the data-parallel wrapper combines the ranks' gradients:
             ``"mean"`` (DDP and FSDP), ``"sum"``, or the number it divides their sum by.
         rtol: the largest relative difference allowed, of the gradient (relative to its
             largest entry) and of the logged loss.
 
-    The reference is ``step`` on one rank with every example in one microbatch. A split's ranks
-    are simulated in this process (an :class:`InProcessGroup`), or, when torch.distributed is
-    initialized with more than one process (under torchrun), are the real ranks: then only the
-    splits with that many ranks run, and every process calls this with the same arguments.
-    It works on any loop, with or without lossweight, so it can diagnose an existing trainer.
+    The reference is ``step`` on one rank with every example in one microbatch, run twice:
+    it must give the same gradient twice, and a nonzero one, else nothing could be compared.
+    The gradients compared are those of the parameters that require one (a frozen layer has
+    none). Dropout and RReLU draw random numbers as the microbatch's shape asks, so every run
+    puts them in eval mode (a report of a difference names them); batch norm in train mode
+    normalizes each microbatch by its own statistics, so the step's gradient depends on the
+    split by design and the checker refuses it.
+
+    A split's ranks are simulated in this process (an :class:`InProcessGroup`), or, when
+    torch.distributed is initialized with ``W > 1`` processes (under torchrun), are the real
+    ranks: then every split has ``W`` ranks (the default ones are :func:`default_splits` of
+    ``world_size=W``), and every process calls this with the same arguments. It works on any
+    loop, with or without lossweight, so it can diagnose an existing trainer.
 
     Raises:
-        AssertionError: with a report of every split that differs: how far off the gradient
-            is and where, what each rank logged, and the likely cause.
+        ValueError: on arguments that cannot make a check: too few examples, not one count
+            (0 or more) per example, an ``rtol`` that is not a finite number of 0 or more, an
+            empty list of splits or splits that all are the reference, a split that does not
+            hold every example once or (under torch.distributed) has other than ``W`` ranks,
+            batch norm in train mode, no parameter requiring a gradient, or processes called
+            with different examples, counts or splits.
+        AssertionError: when the check compares nothing (the step leaves no gradient on the
+            model it is given, or trains the ``model`` argument itself), when the step is not
+            deterministic, and with a report of every split that differs: how far off the
+            gradient is and where, what each rank logged, and the likely cause.
     """
+    weights = _counts(counts, examples)
+    world_size = dist.get_world_size() if _distributed() else None
+    if world_size is not None:
+        _agree(examples, weights, splits)
+    chosen = _chosen(splits, weights, world_size)
+    _check_model(model, rtol)
+    checker = _Checker(step, model, examples, weights, collate, grad_reduction, rtol)
+    reference, problem = checker.reference()
+    problem = checker.agreed(problem)
+    if problem:
+        raise AssertionError(problem)
+    problems = []
+    for split in chosen:
+        run = checker.run(split)
+        problem = checker.agreed(checker.changed())
+        if problem:
+            raise AssertionError(problem)
+        difference = _difference(checker, run, reference)
+        if difference:
+            cause = _likely_cause(checker, split, run, reference)
+            problems.append(f"- {split}:\n    {difference}\n    likely cause: {cause}")
+    if problems:
+        logged = reference.losses[0]
+        loss = "" if logged is None else f" (logged loss {logged:.6g})"
+        random = (
+            f"\n{', '.join(checker.random)} ran in eval mode in every run: dropout's mask "
+            "depends on the microbatch's shape, so no two splits would draw the same"
+            if checker.random
+            else ""
+        )
+        raise AssertionError(
+            f"the step depends on how its {len(examples)} examples are split: "
+            f"{len(problems)} of {len(chosen)} splits differ from one microbatch on one "
+            f"rank{loss}:\n" + "\n".join(problems) + random
+        )
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _counts(counts: Sequence[int] | None, examples: Sequence[Any]) -> list[int]:
     weights = list(counts) if counts is not None else [1] * len(examples)
     if len(weights) != len(examples):
         raise ValueError(
             f"counts has {len(weights)} entries but examples has {len(examples)}; give one "
             "count per example"
         )
-    checker = _Checker(step, model, examples, collate, grad_reduction, rtol)
-    chosen = list(splits) if splits is not None else default_splits(weights)
-    if checker.distributed:
-        chosen = [split for split in chosen if len(split.ranks) == dist.get_world_size()]
-    grads, logged = checker.rank([list(range(len(examples)))], SingleProcess())
-    reference = _Run(grads, [logged])
-    problems = []
-    for split in chosen:
-        run = checker.run(split)
-        difference = _difference(checker, run, reference)
-        if difference:
-            cause = _likely_cause(checker, split, run, reference)
-            problems.append(f"- {split}:\n    {difference}\n    likely cause: {cause}")
-    if problems:
-        loss = "" if logged is None else f" (logged loss {logged:.6g})"
-        raise AssertionError(
-            f"the step depends on how its {len(examples)} examples are split: "
-            f"{len(problems)} of {len(chosen)} splits differ from one microbatch on one "
-            f"rank{loss}:\n" + "\n".join(problems)
+    negative = [(i, c) for i, c in enumerate(weights) if c < 0]
+    if negative:
+        index, count = negative[0]
+        raise ValueError(
+            f"counts[{index}]={count!r} is negative; give each example's number of items its "
+            "loss covers (0 or more)"
         )
+    return weights
+
+
+def _chosen(
+    splits: Sequence[Split] | None, weights: list[int], world_size: int | None
+) -> list[Split]:
+    """The splits to run, checked: each can run, and together they compare something."""
+    n = len(weights)
+    if splits is None:
+        needed = _minimum_examples(world_size)
+        if n < needed:
+            raise ValueError(
+                f"len(examples) is {n}; the default splits of "
+                f"{_worlds(_world_sizes(world_size))} need at least {needed} examples: give "
+                f"{needed} or more (a smaller batch leaves some splits unbuilt, and with 1 "
+                "example no split differs from another)"
+            )
+        return default_splits(weights, world_size=world_size)
+    if n < 2:
+        raise ValueError(
+            f"len(examples) is {n}; splits of fewer than 2 examples cannot weigh one example "
+            "against another, so nothing could differ: give at least 2 examples"
+        )
+    chosen = list(splits)
+    if not chosen:
+        raise ValueError(
+            "splits is empty, so the check would compare nothing: give at least one Split, or "
+            "leave splits out for the default ones"
+        )
+    for index, split in enumerate(chosen):
+        _check_split(index, split, n, world_size)
+    if all(len(split.ranks) == 1 and len(split.ranks[0]) == 1 for split in chosen):
+        raise ValueError(
+            "every split in splits is the whole batch in one microbatch on one rank, as the "
+            "reference is, so the check would compare nothing: give a split of several "
+            "microbatches or ranks"
+        )
+    return chosen
+
+
+def _check_split(index: int, split: object, n: int, world_size: int | None) -> None:
+    if not isinstance(split, Split):
+        raise ValueError(
+            f"splits[{index}] is a {type(split).__name__}, not a Split; make one with "
+            "Split.of(name, ranks)"
+        )
+    held = Counter(i for rank in split.ranks for mb in rank for i in mb)
+    wrong = [
+        f"{what} {found}"
+        for what, found in (
+            ("misses", [i for i in range(n) if i not in held]),
+            ("holds more than once", sorted(i for i in held if held[i] > 1 and 0 <= i < n)),
+            ("holds what is no example", sorted(i for i in held if not 0 <= i < n)),
+        )
+        if found
+    ]
+    if wrong:
+        raise ValueError(
+            f"splits[{index}] ({split.name!r}) must hold each of examples 0 to {n - 1} once: it "
+            f"{', '.join(wrong)}"
+        )
+    if world_size is not None and len(split.ranks) != world_size:
+        raise ValueError(
+            f"splits[{index}] ({split.name!r}) has {_worlds([len(split.ranks)])}, but "
+            f"torch.distributed runs {world_size} processes, which are the ranks of every "
+            f"split: give splits of {world_size} ranks, or leave splits out for "
+            f"default_splits(counts, world_size={world_size})"
+        )
+
+
+def _check_model(model: torch.nn.Module, rtol: float) -> None:
+    if isinstance(rtol, bool) or not isinstance(rtol, int | float) or not 0 <= rtol < math.inf:
+        raise ValueError(
+            f"rtol={rtol!r}; pass a finite number of 0 or more (1e-5 suits float32, 1e-10 float64)"
+        )
+    normalized = [
+        f"{name!r} ({type(module).__name__})"
+        for name, module in model.named_modules()
+        if isinstance(module, BATCH_STATISTICS) and module.training
+    ]
+    if normalized:
+        raise ValueError(
+            f"model has batch norm in train mode, in {', '.join(normalized)}: it normalizes "
+            "each microbatch by that microbatch's statistics, so the gradient depends on the "
+            "split whatever the weighting; call .eval() on those modules for the check"
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            "model has no parameter that requires a gradient, so the check would compare "
+            "nothing: pass the model the step trains"
+        )
+
+
+def _agree(examples: Sequence[Any], weights: list[int], splits: Sequence[Split] | None) -> None:
+    """Every process must check the same splits of as many examples: else their collectives
+    would pair up wrongly, or hang."""
+    mine = {
+        "examples": len(examples),
+        "counts": weights,
+        "splits": None if splits is None else list(splits),
+    }
+    for rank, theirs in enumerate(_gathered(mine)):
+        differ = [name for name in mine if theirs[name] != mine[name]]
+        if differ:
+            raise ValueError(
+                f"rank {rank} called assert_split_invariant with other {' and '.join(differ)} "
+                f"than rank {dist.get_rank()} (as many examples, with the same counts and "
+                "splits, must run on every process): every process passes the same arguments"
+            )
+
+
+def _gathered(value: Any) -> list[Any]:
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor | None]]:
+    """Copies of everything of the model a step could change."""
+    return [
+        *((f"parameter {n!r}", p.detach().clone()) for n, p in model.named_parameters()),
+        *((f"buffer {n!r}", b.detach().clone()) for n, b in model.named_buffers()),
+        *(
+            (f"the .grad of {n!r}", None if p.grad is None else p.grad.detach().clone())
+            for n, p in model.named_parameters()
+        ),
+    ]
+
+
+def _same(before: torch.Tensor | None, now: torch.Tensor | None) -> bool:
+    if before is None or now is None:
+        return before is None and now is None
+    return (
+        before.shape == now.shape
+        and before.dtype == now.dtype
+        and bool(torch.isclose(before, now, rtol=0.0, atol=0.0, equal_nan=True).all())
+    )
 
 
 def _as_float(logged: object) -> float | None:
@@ -306,6 +631,17 @@ def _likely_cause(checker: _Checker, split: Split, run: _Run, reference: _Run) -
     tolerance = max(checker.rtol, 1e-6)
     looks_naive = _relative_error(run.gradients, naive)[0] <= tolerance
     looks_local = world_size > 1 and _relative_error(run.gradients, local)[0] <= tolerance
+    # A loop that reduces nothing over the ranks looks rank-local whatever it does within a
+    # rank; where a rank's microbatches hold different counts, a naive one shows itself.
+    uneven = any(
+        len({sum(checker.weights[i] for i in mb) for mb in rank}) > 1 for rank in split.ranks
+    )
+    if looks_naive and (uneven or not looks_local):
+        return (
+            "every microbatch weighs the same whatever its count: this is what "
+            "loss / accumulation_steps gives (weight each microbatch by its count against "
+            "the step's total)"
+        )
     if looks_local:
         also = (
             " (with these microbatches, loss / accumulation_steps gives the same)"
@@ -315,12 +651,6 @@ def _likely_cause(checker: _Checker, split: Split, run: _Run, reference: _Run) -
         return (
             "each rank weights its microbatches against its own total: the count is not "
             f"reduced over the data-parallel ranks{also}"
-        )
-    if looks_naive:
-        return (
-            "every microbatch weighs the same whatever its count: this is what "
-            "loss / accumulation_steps gives (weight each microbatch by its count against "
-            "the step's total)"
         )
     return (
         "the microbatches are weighted by counts other than those of the items their losses "

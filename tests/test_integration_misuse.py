@@ -1,0 +1,111 @@
+"""The accelerate and Lightning integrations, used wrongly: each slip that would train on a
+wrong gradient or log a wrong loss is made exact, or refused with an error that names the fix
+before any parameter moves (but for an optimizer accelerate did not prepare, which makes one
+update first); and clipping clips the exact gradient.
+
+Lightning runs in this process (one device); accelerate in one fresh process, since an
+Accelerator's state is process-wide. The data are tests/integration_workers.py's: uneven
+padding and a microbatch without any target, both ranks' microbatches of a step in one window.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from . import integration_workers as workers
+from .gloo import run_ranks, values
+
+EXACT = 1e-10  # fp64 end to end
+
+
+def check_exact_and_clipped(steps: list[dict], clip: float | None) -> None:
+    assert len(steps) == workers.MISUSE_STEPS
+    for step in steps:
+        assert step["relative_error"] < EXACT, steps
+        assert step["tokens"] == step["expected_tokens"]
+        if clip is not None:  # the clipping did clip: the test tells its order
+            assert step["exact_norm"] > 2 * clip
+
+
+# ------------------------------------------------------------------------------------------
+# Lightning
+# ------------------------------------------------------------------------------------------
+
+
+def test_lightning_validation_inside_a_window_leaves_the_training_step_alone() -> None:
+    # validation_step calls the helper that calls scale_loss(), and runs after every 3rd
+    # batch, inside the windows of 8: its microbatches must join no training step.
+    seen = workers.lightning_misuse_run("validated")
+    assert seen["error"] is None
+    check_exact_and_clipped(seen["steps"], None)
+    # Outside training, scale_loss() returns the loss it was given.
+    assert len(seen["validation_returned"]) >= 4 and all(seen["validation_returned"])
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        # training_step scales the loss but returns the raw one.
+        ("raw", "a backward() during training went through no loss that"),
+        # training_step never calls scale_loss().
+        ("unscaled", "return the callback's scale_loss(loss, num_tokens=...) from training_step"),
+        # training_step scales each loss a second time, e.g. to log it.
+        ("twice", "only 8 of the 16 losses that LossweightCallback.scale_loss() returned"),
+    ],
+    ids=["raw", "unscaled", "twice"],
+)
+def test_lightning_refuses_a_backward_that_scale_loss_did_not_weight(
+    case: str, message: str
+) -> None:
+    seen = workers.lightning_misuse_run(case)
+    assert seen["error"] is not None and message in seen["error"], seen["error"]
+    assert seen["steps"] == [] and seen["unchanged"]  # refused before the first update
+
+
+def test_lightning_clips_the_exact_gradient() -> None:
+    # Lightning clips after on_before_optimizer_step, where the callback ends the step.
+    seen = workers.lightning_misuse_run("documented", clip=workers.CLIP)
+    assert seen["error"] is None
+    check_exact_and_clipped(seen["steps"], workers.CLIP)
+
+
+# ------------------------------------------------------------------------------------------
+# accelerate, scaling after
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def accelerate() -> dict:
+    (outcome,) = values(run_ranks(1, workers.accelerate_misuse_run, init_group=False, deadline=90))
+    return outcome
+
+
+def test_accelerate_clips_the_exact_gradient(accelerate: dict) -> None:
+    # end_if_sync(), then accelerator.clip_grad_norm_(), as documented.
+    seen = accelerate["documented"]
+    assert seen["error"] is None
+    check_exact_and_clipped(seen["steps"], workers.CLIP)
+
+
+def test_accelerate_refuses_an_optimizer_step_without_end_if_sync(accelerate: dict) -> None:
+    seen = accelerate["no_end"]
+    assert seen["error"] is not None, seen
+    assert "end_if_sync() was not called to rescale them" in seen["error"]
+    # The prepared optimizer's step at the window's last microbatch refused to update.
+    assert seen["blocks"] == workers.MISUSE_WINDOW and seen["unchanged"]
+
+
+def test_accelerate_refuses_the_next_microbatch_after_a_missed_end(accelerate: dict) -> None:
+    # An optimizer accelerate did not prepare is not watched: its one update is made, and the
+    # next accumulate() block refuses to begin.
+    seen = accelerate["no_end_unprepared"]
+    assert seen["error"] is not None, seen
+    assert "end_if_sync() was not called to rescale them" in seen["error"]
+    assert seen["blocks"] == workers.MISUSE_WINDOW and not seen["unchanged"]
+
+
+def test_accelerate_refuses_end_if_sync_before_the_last_backward(accelerate: dict) -> None:
+    seen = accelerate["end_before_backward"]
+    assert seen["error"] is not None, seen
+    assert "only 7 of the 8 losses that scale_loss() returned" in seen["error"]
+    assert seen["blocks"] == workers.MISUSE_WINDOW and seen["unchanged"]
