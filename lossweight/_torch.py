@@ -30,47 +30,68 @@ def untraced(message: str, run: Callable[[], T]) -> T:
     return torch.compiler.disable(run)()  # type: ignore[no-untyped-call,no-any-return]
 
 
-def gradient_groups(parameters: list[torch.Tensor]) -> Groups:
-    """The parameters' gradients that exist, by device and dtype for the foreach calls, each
-    once: two parameters whose gradient is the same memory are rescaled once. A DTensor
-    gradient (FSDP2) is taken through its local shard, all this rank holds."""
-    groups: Groups = defaultdict(list)
-    seen: set[object] = set()
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a gradient: a DTensor's (FSDP2's) local shard."""
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
+def _memory(grad: torch.Tensor) -> object:
+    """A key of a gradient's memory; a sparse gradient has no one address, meta memory none."""
+    local = _local(grad)
+    if local.is_sparse or local.device.type == "meta":
+        return id(local)
+    return (local.data_ptr(), local.shape, local.stride(), local.device, local.dtype)
+
+
+def _once(parameters: list[torch.Tensor]) -> dict[object, torch.Tensor]:
+    """The parameters with a gradient, by gradient memory: two parameters whose gradient is the
+    same memory are rescaled, and clipped, once."""
+    found: dict[object, torch.Tensor] = {}
     for parameter in parameters:
-        if (grad := parameter.grad) is not None:
-            local = grad.to_local() if hasattr(grad, "to_local") else grad
-            # A sparse gradient has no one address; meta memory has none at all.
-            key = id(local) if local.is_sparse or local.device.type == "meta" else (
-                local.data_ptr(), local.shape, local.stride(), local.device, local.dtype
-            )  # fmt: skip
-            if key not in seen:
-                seen.add(key)
-                groups[(local.device, local.dtype)].append(local)
+        if parameter.grad is not None:
+            found.setdefault(_memory(parameter.grad), parameter)
+    return found
+
+
+def gradient_groups(parameters: list[torch.Tensor]) -> Groups:
+    """The gradients that exist, each once, by device and dtype for the foreach calls."""
+    groups: Groups = defaultdict(list)
+    for parameter in _once(parameters).values():
+        local = _local(parameter.grad)  # type: ignore[arg-type]
+        groups[(local.device, local.dtype)].append(local)
     return groups
 
 
 def check_zero_gradients(parameters: list[torch.Tensor], message: str) -> None:
-    """Fail with ``message`` if a gradient is not all zeros, checked on its device (a sparse
-    one by the values it stores)."""
+    """Fail with ``message``, on the device, if a gradient (a sparse one's values) is nonzero."""
     for grads in gradient_groups(parameters).values():
         dense = [grad._values() if grad.is_sparse else grad for grad in grads]
         assert_true(torch.stack(torch._foreach_norm(dense)).sum() == 0, message)
 
 
 def reaches(loss: torch.Tensor, parameters: list[torch.Tensor]) -> bool:
-    """Whether ``loss``'s backward would accumulate into a gradient of ``parameters``: a walk
-    of its autograd graph, to the leaves."""
-    wanted, seen = {id(p) for p in parameters}, set()
-    nodes = [loss.grad_fn]
+    """Whether ``loss``'s backward reaches a gradient of ``parameters``, one of those tensors
+    or a leaf whose gradient is the same memory: a walk of its graph."""
+    wanted = {id(p) for p in parameters} | set(_once(parameters))
+    nodes, seen = [loss.grad_fn], set()
     while nodes:
         node = nodes.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if id(getattr(node, "variable", None)) in wanted:
+        if (leaf := getattr(node, "variable", None)) is not None and (
+            id(leaf) in wanted or (leaf.grad is not None and _memory(leaf.grad) in wanted)
+        ):
             return True
         nodes.extend(next_node for next_node, _ in node.next_functions)
     return False
+
+
+def clip_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the gradients, each once, to the total norm ``max_norm`` with torch's clipping;
+    their norm before (a DTensor's reduced over its mesh: the whole gradient's)."""
+    norm = torch.nn.utils.clip_grad_norm_(list(_once(parameters).values()), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def multiply(groups: Groups, factor: torch.Tensor) -> None:
@@ -79,18 +100,18 @@ def multiply(groups: Groups, factor: torch.Tensor) -> None:
         torch._foreach_mul_(grads, factor.to(device, non_blocking=True))
 
 
-def functional_all_reduce(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Start summing ``tensor`` in place with the functional collective, whose wait
-    torch.compile traces; return the tensor to wait on."""
-    torch.ops._c10d_functional.all_reduce_(tensor, "sum", group_name)
-    return tensor
+class FunctionalAllReduce:
+    """Sums ``tensor`` in place with the functional collective, whose wait torch.compile
+    traces. ``wait()`` returns the result: read that one, so that a compiled graph orders every
+    read after the wait."""
 
+    def __init__(self, tensor: torch.Tensor, group_name: str) -> None:
+        torch.ops._c10d_functional.all_reduce_(tensor, "sum", group_name)
+        self._tensor = tensor
 
-def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The functional collective's result: read this one, so that a compiled graph orders
-    every read after the wait."""
-    waited: torch.Tensor = torch.ops._c10d_functional.wait_tensor(tensor)
-    return waited
+    def wait(self) -> torch.Tensor:
+        waited: torch.Tensor = torch.ops._c10d_functional.wait_tensor(self._tensor)
+        return waited
 
 
 class Verdict:

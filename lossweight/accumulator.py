@@ -1,9 +1,6 @@
-"""The Accumulator: a thin front over the step machine and the tensors of each mode.
-
-Each public call checks its inputs here, at the boundary, applies a transition of the pure step
-machine (:mod:`lossweight.machine`), then runs its effects: it starts a reduction, scales a loss
-or rescales the gradients (:mod:`lossweight.steps`), or builds a :class:`StepResult`.
-"""
+"""The Accumulator: a thin front that checks each call's inputs at the boundary, applies a
+transition of the pure step machine (:mod:`lossweight.machine`), then runs its effects on the
+tensors of the mode (:mod:`lossweight.steps`)."""
 
 from __future__ import annotations
 
@@ -13,8 +10,7 @@ import numbers
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from types import TracebackType
-from typing import Any, Concatenate, Generic, Literal, ParamSpec, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -31,31 +27,19 @@ LossLogging = Literal["end", "next_step"]
 Count = int | torch.Tensor
 Counts = torch.Tensor | Sequence[Count]
 _STATE_FORMAT = 1
-T = TypeVar("T")
-P = ParamSpec("P")
+F = TypeVar("F", bound=Callable[..., Any])
 # The open scale-after steps of this process: end() rescales every gradient of their
 # parameters, so no other Accumulator's loss may reach one. A step leaves when it closes, or
 # when its Accumulator is collected.
 _SCALING_AFTER: weakref.WeakSet[ScaleAfter] = weakref.WeakSet()
 
 
-class _Option(Generic[T]):
-    """An option of the Accumulator, read from its frozen ``options``."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, accumulator: Accumulator, owner: type) -> T:
-        return getattr(accumulator.options, self.name)  # type: ignore[no-any-return]
-
-
-def _exclusive(
-    method: Callable[Concatenate[Accumulator, P], T],
-) -> Callable[Concatenate[Accumulator, P], T]:
+def _exclusive(method: F) -> F:
     """Refuse a call while another thread is inside one: two threads that drive a step at
     once would each overwrite what the other changed."""
 
-    def exclusive(self: Accumulator, /, *args: P.args, **kwargs: P.kwargs) -> T:
+    @functools.wraps(method)
+    def exclusive(self: Accumulator, /, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # traced once, run as a graph: no lock to take
             return method(self, *args, **kwargs)
         if not self._busy.acquire(blocking=False):
@@ -65,8 +49,7 @@ def _exclusive(
         finally:
             self._busy.release()
 
-    functools.update_wrapper(exclusive, method)
-    return exclusive
+    return cast(F, exclusive)
 
 
 class Accumulator:
@@ -120,18 +103,15 @@ class Accumulator:
             loss_reduction, weight_by, grad_reduction, loss_logging, weight_estimate,
             framework_divides_loss_by,
         )  # fmt: skip
+        self.weight_by, self.loss_reduction = weight_by, loss_reduction
+        self.grad_reduction, self.loss_logging = grad_reduction, loss_logging
         self.layout = terms.Layout(self.options.terms)
         self.state = machine.State(weight_by, loss_logging)
         self._resolver = CollectiveResolver(group, collective)
         self._tensors: CountFirst | ScaleAfter | None = None
         self._collective: Collective | None = None
-        self._flight = _InFlight(float(weight_estimate))
+        self._flight = _InFlight(self.options, self.layout)
         self._busy = threading.Lock()
-
-    weight_by: _Option[WeightBy] = _Option()
-    loss_reduction: _Option[LossReduction] = _Option()
-    grad_reduction: _Option[GradReduction | float] = _Option()
-    loss_logging: _Option[LossLogging] = _Option()
 
     @property
     def step_open(self) -> bool:
@@ -163,7 +143,7 @@ class Accumulator:
         declared = len(counts[self.weight_by]) if counts is not None else 0
         state = machine.begin(self.state, counts is not None, declared, step)
         collective = self._resolver.resolve()
-        divisor = self._flight.adopt(collective, self.options)
+        divisor = self._flight.adopt(collective)
         self._flight.settle()
         tensors: CountFirst | ScaleAfter
         if counts is not None:
@@ -172,7 +152,7 @@ class Accumulator:
             tensors = CountFirst(collective, self.layout, codes, counts, carried, divisor)
             self._flight.add(tensors.reduction)
         else:
-            tensors = ScaleAfter(params, self._flight.estimated(self.weight_by), divisor)
+            tensors = ScaleAfter(params, self._flight.estimated(), divisor, self.layout)
             _SCALING_AFTER.add(tensors)
         self.state, self._tensors, self._collective = state, tensors, collective
         return StepContext(self, state.steps)
@@ -190,24 +170,23 @@ class Accumulator:
         exactly nothing: its loss (a NaN of 0/0 included) reaches no gradient and no log."""
         _check_loss(loss)
         given, tensors = (num_samples is not None, num_tokens is not None), self._tensors
+        scaling_after = isinstance(tensors, ScaleAfter)
         # Never in a graph: dynamo would guard on the set, and a graph has no autograd graph.
-        if not torch.compiler.is_compiling() and len(_SCALING_AFTER) > isinstance(
-            tensors, ScaleAfter
-        ):
+        if not torch.compiler.is_compiling() and len(_SCALING_AFTER) > scaling_after:
             _not_into_another_step(loss, tensors)
         if isinstance(tensors, ScaleAfter):
             counts = {"samples": num_samples, "tokens": num_tokens}
-            checked = {n: None if c is None else _count(f"num_{n}", c) for n, c in counts.items()}
+            checked = {n: c if c is None else _counts(f"num_{n}", c, 0) for n, c in counts.items()}
             state, _ = machine.scale(self.state, given, traced=False)
-            scaled = tensors.scale(loss, checked, self.weight_by, self.loss_reduction)
+            scaled = tensors.scale(loss, checked)
         elif torch.compiler.is_compiling() and tensors is not None and not any(given):
             start = machine.trace(self.state)
-            return tensors.scale_traced(loss, self.loss_reduction, start)
+            return tensors.scale_traced(loss, start)
         else:  # count first, or no step: the machine says which
             traced = tensors is not None and tensors.cursor is not None
             state, index = machine.scale(self.state, given, traced)
             assert tensors is not None
-            scaled = tensors.scale(loss, index, self.options.loss_reduction, state.steps)  # type: ignore[arg-type]
+            scaled = tensors.scale(loss, index, state.steps)
         self.state = state
         return scaled
 
@@ -222,7 +201,7 @@ class Accumulator:
         # None: the next microbatch of a compiled step, whose position is a tensor.
         if index is None and (index := int(tensors.cursor or 0)) >= tensors.size:
             raise error("no_next", declared=tensors.size, step=self.state.steps)
-        return tensors.factors(self.loss_reduction)[index]
+        return tensors.factors()[index]
 
     @_exclusive
     def record_loss(self, microbatch: int, loss: torch.Tensor) -> None:
@@ -234,24 +213,25 @@ class Accumulator:
         self._tensors.record(index, loss)
 
     @_exclusive
-    def end(self) -> StepResult:
+    def end(self, *, max_grad_norm: float | None = None) -> StepResult:
         """Close the step on every rank, after its last backward and before clipping and
         ``optimizer.step()``; scaling after, it reduces the counts and rescales the gradients
-        once. Returns what the step reports; if it raises, calling it again reduces no more."""
+        once. Returns what the step reports; if it raises, calling it again reduces no more.
+
+        ``max_grad_norm`` (scale-after steps): then clip the rescaled gradients to that total
+        norm, as ``torch.nn.utils.clip_grad_norm_`` over the parameters given to ``begin()``
+        does, each gradient once; ``result.grad_norm`` is their norm before clipping."""
+        if max_grad_norm is not None:
+            _check_max_grad_norm(max_grad_norm, self._tensors)
         step, tensors, collective = self.state.step, self._tensors, self._collective
         state = machine.end(self.state, self._traced)
         assert step is not None and tensors is not None and collective is not None
-        if isinstance(tensors, CountFirst):
-            result = self._flight.end_count_first(
-                step, tensors, collective, self.options, self.layout
-            )
-        else:
-            result = self._flight.end_scale_after(
-                step, tensors, collective, self.options, self.layout
-            )
+        result = self._flight.end(step, tensors, collective)
         self.state, self._tensors = state, None
         if isinstance(tensors, ScaleAfter):
             _SCALING_AFTER.discard(tensors)
+            if max_grad_norm is not None:
+                result.grad_norm = _torch.clip_norm(tensors.parameters, float(max_grad_norm))
         return result
 
     @_exclusive
@@ -273,10 +253,10 @@ class Accumulator:
         self._flight.settle(verdicts=True)  # the run may end here: wait for an accelerator's
         if waits and self._flight.pending is not None:
             collective = self._resolver.resolve()
-            self._flight.adopt(collective, self.options)
+            self._flight.adopt(collective)
             self._flight.settle()
             codes = self._flight.codes(state.steps, terms.FLUSH)
-            reduction = self._flight.reduce_loss(collective, self.layout, codes, collective.device)
+            reduction = self._flight.reduce_loss(collective, codes, collective.device)
             self.state = state
             reduction.wait()  # once recorded: a wait that fails is retried, never re-reduced
         self.state = state
@@ -285,16 +265,11 @@ class Accumulator:
         """The step counter, the estimate of ``W`` and the options, as plain values that load
         at any world size. Call :meth:`flush` first to log a waiting loss."""
         machine.idle(self.state, "state_dict")
-        estimate = self._flight.estimated(self.weight_by)
+        estimate = self._flight.estimated()
         estimate = estimate if isinstance(estimate, float) else estimate.item()
         estimate = estimate if math.isfinite(estimate) else self.options.weight_estimate
-        options = {name: getattr(self.options, name) for name in terms.OPTIONS}
-        return {
-            "format": _STATE_FORMAT,
-            "steps": self.state.steps,
-            "weight_estimate": estimate,
-            "options": options,
-        }
+        state = {"format": _STATE_FORMAT, "steps": self.state.steps, "weight_estimate": estimate}
+        return {**state, "options": {name: getattr(self.options, name) for name in terms.OPTIONS}}
 
     @_exclusive
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -322,91 +297,73 @@ class Accumulator:
 
 
 class _InFlight:
-    """The reductions: the world they run in (its size, ``D`` and the options' agreement
-    codes), those started and not yet checked, the loss of a count-first step that waits
-    (``loss_logging="next_step"``) for the next reduction to carry it, and the last step's
-    ``W`` that the next scale-after step assumes (its reduction, until first needed)."""
+    """The reductions: the world they run in (its size, ``D`` and the options' codes), those
+    not yet checked, a count-first step's loss that waits (``loss_logging="next_step"``) for
+    the next one to carry it, and the ``W`` the next scale-after step assumes."""
 
-    def __init__(self, estimate: float) -> None:
-        self.default = estimate
+    def __init__(self, options: terms.Options, layout: terms.Layout) -> None:
+        self.options, self.layout, self.default = options, layout, float(options.weight_estimate)
         self.world: tuple[int, float, tuple[int, ...]] = (0, 1.0, ())
         self.unsettled: list[payload.Reduction] = []
         self.pending: PendingLoss | None = None
         self.estimate: float | torch.Tensor | payload.Reduction
-        self.assume(estimate)
+        self.assume(self.default)
 
     def assume(self, estimate: float) -> None:
         """Take an estimate given on the host, and its agreement codes."""
         self.estimate, self.assumed = estimate, terms.number_codes(estimate)
 
-    def estimated(self, weight_by: str) -> float | torch.Tensor:
+    def estimated(self) -> float | torch.Tensor:
         """The ``E`` of the next scale-after step; the option's if the last reduction failed."""
         estimate = self.estimate
         if isinstance(estimate, payload.Reduction) and estimate.failed:
             self.assume(self.default)
         elif isinstance(estimate, payload.Reduction):
-            self.estimate = estimate.total(weight_by)
+            self.estimate = estimate.total(self.options.weight_by)
         return self.estimate  # type: ignore[return-value]
 
-    def adopt(self, collective: Collective, options: terms.Options) -> float:
+    def adopt(self, collective: Collective) -> float:
         """``D`` for this world, and its codes (made when the world's size changes). A loss
         that waits is reduced over the collective it was computed in, or never."""
         if self.pending is not None and self.pending.collective is not collective:
             step = self.drop("the process group changed before the loss was reduced")
             raise error("pending_elsewhere", step=step, ranks=collective.world_size)
         if collective.world_size != self.world[0]:
-            divisor = options.divisor(collective.world_size)
-            self.world = (collective.world_size, divisor, options.codes(divisor))
+            divisor = self.options.divisor(collective.world_size)
+            self.world = (collective.world_size, divisor, self.options.codes(divisor))
         return self.world[1]
 
     def codes(self, step: int, call: int) -> tuple[int, ...]:
-        """What the ranks agree on in a reduction: the step, the call, whether it carries a
-        waiting loss, the options, and the estimate in force (a reduced one is the same on
-        every rank; the option or a loaded one may not be)."""
+        """What the ranks agree on in a reduction: the step, the call, whether it carries a loss,
+        the options, and the estimate (a reduced one is the same on every rank; others may not)."""
         estimate = self.assumed if isinstance(self.estimate, float) else terms.REDUCED
         carried = self.pending is not None
         return (step % 2**16, call, carried, *self.world[2], *estimate)
 
-    def end_count_first(
-        self,
-        step: machine.Step,
-        tensors: CountFirst,
-        collective: Collective,
-        options: terms.Options,
-        layout: terms.Layout,
+    def end(
+        self, step: machine.Step, tensors: CountFirst | ScaleAfter, collective: Collective
     ) -> StepResult:
-        """What a count-first step reports: its loss reduced now, or left to wait."""
+        """What a step reports: scaling after, once its reduction has rescaled the gradients;
+        counting first, with its loss reduced now, or left to wait."""
+        if isinstance(tensors, ScaleAfter):
+            self.settle()
+            codes = self.codes(step.number, terms.SCALE_AFTER_END)
+            reduction = tensors.finish(collective, codes, step.given, self.carried)
+            self.add(reduction)
+            assert tensors.total is not None
+            self.estimate = tensors.total
+            return StepResult(step.number, reduction, reduction, [])
         # A compiled step takes every microbatch through scale_loss(): its reads take none.
         unrecorded = step.unrecorded if step.factored and tensors.cursor is None else []
-        loss_sum = tensors.loss_sum(options.loss_reduction, known=not unrecorded)  # type: ignore[arg-type]
+        loss_sum = tensors.loss_sum(known=not unrecorded)
         self.estimate = tensors.reduction
-        if options.loss_logging == "next_step":
+        if self.options.loss_logging == "next_step":
             self.pending = PendingLoss(step.number, loss_sum, collective)
             return StepResult(step.number, tensors.reduction, self.pending, unrecorded)
         self.settle()
         codes = self.codes(step.number, terms.COUNT_FIRST_END)
-        reduction = self.reduce_loss(collective, layout, codes, tensors.device, loss_sum)
+        reduction = self.reduce_loss(collective, codes, tensors.device, loss_sum)
         return StepResult(step.number, tensors.reduction, reduction, unrecorded)
-
-    def end_scale_after(
-        self,
-        step: machine.Step,
-        tensors: ScaleAfter,
-        collective: Collective,
-        options: terms.Options,
-        layout: terms.Layout,
-    ) -> StepResult:
-        """What a scale-after step reports, once its reduction has rescaled the gradients."""
-        self.settle()
-        codes = self.codes(step.number, terms.SCALE_AFTER_END)
-        loss_reduction: Any = options.loss_reduction
-        reduction = tensors.finish(
-            collective, layout, codes, step.given, loss_reduction, self.carried
-        )
-        self.add(reduction)
-        assert tensors.total is not None
-        self.estimate = tensors.total
-        return StepResult(step.number, reduction, reduction, [])
 
     def drop(self, why: str) -> int | None:
         """Forget the loss that waits, which its result then explains with ``why``."""
@@ -428,23 +385,21 @@ class _InFlight:
     def reduce_loss(
         self,
         collective: Collective,
-        layout: terms.Layout,
         codes: tuple[int, ...],
         device: torch.device,
         own: torch.Tensor | None = None,
     ) -> payload.Reduction:
         """A reduction of loss sums alone: a count-first step's own, or the one that waits."""
         losses = {("loss", False): own, ("loss", True): self.carried}
-        flags = {name: (False, False) for name in layout.reported}
-        reduction = payload.start(collective, layout, codes, device, {}, flags, losses)
+        flags = {name: (False, False) for name in self.layout.reported}
+        reduction = payload.Reduction(collective, self.layout, codes, device, {}, flags, losses)
         self.add(reduction)
         return reduction
 
     def settle(self, verdicts: bool = False) -> None:
-        """Check every reduction started so far before a new one starts, so that a
-        disagreement surfaces at the reduction that paired it (on an accelerator, at the first
-        call after its verdict reached the host). ``verdicts``: only those whose verdict is on
-        its way from an accelerator, waiting for it."""
+        """Check every reduction started so far before a new one starts, so that a disagreement
+        surfaces at the reduction that paired it (on an accelerator, at the first call after its
+        verdict reached the host). ``verdicts``: only the verdicts on their way, waited for."""
         unsettled, self.unsettled = self.unsettled, []
         for index, reduction in enumerate(unsettled):
             try:
@@ -467,9 +422,7 @@ class StepContext:
     def __enter__(self) -> StepContext:
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         step = self._accumulator.state.step
         if kind is not None and step is not None and step.number == self.index:
             self._accumulator.abandon()
@@ -481,9 +434,9 @@ class StepContext:
 
 COUNT_LIMIT = 2**62  # every count and every step's total: reduced exactly as two 31-bit limbs
 _COUNT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-_ONE_D, _ZERO_D = (
-    "pass one count per microbatch, as a 1-D tensor",
+_SHAPES = (  # what a count tensor with the wrong number of dims is told, by the number it needs
     "each count must be a 0-dim tensor or an int",
+    "pass one count per microbatch, as a 1-D tensor",
 )
 
 
@@ -497,11 +450,11 @@ def _host_count(name: str, value: object) -> int:
     return count
 
 
-def _tensor_counts(name: str, counts: torch.Tensor, dim: int, rule: str) -> torch.Tensor:
+def _tensor_counts(name: str, counts: torch.Tensor, dim: int) -> torch.Tensor:
     """An int64 copy on the counts' device, checked there without a host read (on the CPU a
     bad count raises at once; on an accelerator at the next sync)."""
     if counts.dim() != dim:
-        raise error("count_shape", name=name, shape=tuple(counts.shape), rule=rule)
+        raise error("count_shape", name=name, shape=tuple(counts.shape), rule=_SHAPES[dim])
     if counts.dtype in (torch.uint16, torch.uint32, torch.uint64):
         raise error("wide_unsigned", name=name, dtype=counts.dtype)
     if counts.dtype not in _COUNT_DTYPES:
@@ -513,18 +466,13 @@ def _tensor_counts(name: str, counts: torch.Tensor, dim: int, rule: str) -> torc
     return copied
 
 
-def _count(name: str, value: object) -> Count:
-    """One microbatch's count: an int, or a 0-dim integer tensor (copied)."""
+def _counts(name: str, value: object, dim: int) -> Any:
+    """A microbatch's count (``dim`` 0), or a step's, one per microbatch (``dim`` 1): Python ints
+    stay on the host, anything with a tensor in it becomes an int64 tensor (a copy)."""
     if isinstance(value, torch.Tensor):
-        return _tensor_counts(name, value, 0, _ZERO_D)
-    return _host_count(name, value)
-
-
-def _counts_of(name: str, value: object) -> list[int] | torch.Tensor:
-    """A step's counts, one per microbatch: Python ints stay a list on the host, anything with
-    a tensor in it becomes a 1-D int64 tensor (a copy)."""
-    if isinstance(value, torch.Tensor):
-        return _tensor_counts(name, value, 1, _ONE_D)
+        return _tensor_counts(name, value, dim)
+    if dim == 0:
+        return _host_count(name, value)
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise error("not_a_sequence", name=name, value=value)
     if not any(isinstance(count, torch.Tensor) for count in value):
@@ -534,18 +482,17 @@ def _counts_of(name: str, value: object) -> list[int] | torch.Tensor:
         if not isinstance(count, torch.Tensor):
             count = torch.tensor(_host_count(f"{name}[{index}]", count))
         elif count.dim() != 0 or count.dtype not in _COUNT_DTYPES:
-            _tensor_counts(f"{name}[{index}]", count, 0, _ZERO_D)  # raises what is wrong
+            _tensor_counts(f"{name}[{index}]", count, 0)  # raises what is wrong
         tensors.append(count)
     device = accelerator_of(f"the tensors in {name}", (count.device for count in tensors))
     stacked = torch.stack([count.to(device, torch.int64, non_blocking=True) for count in tensors])
-    return _tensor_counts(name, stacked, 1, _ONE_D)
+    return _tensor_counts(name, stacked, 1)
 
 
 def _opening(
     samples: object, tokens: object, parameters: object, weight_by: str
 ) -> tuple[dict[str, Any] | None, list[torch.Tensor]]:
-    """What ``begin()`` opens: a count-first step's counts, or a scale-after step's
-    parameters."""
+    """What ``begin()`` opens: a count-first step's counts, or a scale-after step's parameters."""
     if samples is None and tokens is None:
         if parameters is None:
             raise error("neither", weight_by=weight_by)
@@ -555,7 +502,7 @@ def _opening(
     given = {"samples": samples, "tokens": tokens}
     if given[weight_by] is None:
         raise error("weight_missing", name=f"num_{weight_by}", weight_by=weight_by)
-    counts = {n: None if c is None else _counts_of(f"num_{n}", c) for n, c in given.items()}
+    counts = {n: c if c is None else _counts(f"num_{n}", c, 1) for n, c in given.items()}
     samples, tokens = counts["samples"], counts["tokens"]
     if samples is not None and tokens is not None and len(samples) != len(tokens):
         raise error("lengths_differ", samples=len(samples), tokens=len(tokens))
@@ -570,6 +517,13 @@ def _not_into_another_step(loss: torch.Tensor, own: object) -> None:
             raise error("into_another_step")
 
 
+def _check_max_grad_norm(value: object, tensors: CountFirst | ScaleAfter | None) -> None:
+    if not terms.finite(value) or not value > 0:  # type: ignore[operator]
+        raise error("bad_max_grad_norm", value=value)
+    if isinstance(tensors, CountFirst):
+        raise error("clip_count_first", value=value)
+
+
 def _check_loss(loss: object) -> None:
     if not isinstance(loss, torch.Tensor):
         raise error("loss_type", value=loss)
@@ -580,9 +534,8 @@ def _check_loss(loss: object) -> None:
 
 
 def _parameter_list(parameters: object) -> list[torch.Tensor]:
-    """Scale-after parameters as a list, each once (a tied weight listed twice would be
-    rescaled twice): tensors, (name, tensor) pairs, a module's, or an optimizer's (all its
-    groups)."""
+    """Scale-after parameters, each once (a tied weight listed twice would be rescaled twice):
+    tensors, (name, tensor) pairs, a module's, or an optimizer's (all its groups)."""
     if isinstance(parameters, torch.nn.Module):
         parameters = parameters.parameters()
     elif isinstance(parameters, torch.optim.Optimizer):
@@ -618,7 +571,6 @@ def _checked_state(state_dict: object, options: terms.Options) -> tuple[int, flo
     steps, estimate = state_dict["steps"], state_dict["weight_estimate"]
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise error("state_steps", value=steps)
-    is_number = isinstance(estimate, (int, float)) and not isinstance(estimate, bool)
-    if not is_number or not math.isfinite(estimate) or estimate < 0:
+    if not terms.finite(estimate) or estimate < 0:
         raise error("state_estimate", value=estimate)
     return steps, float(estimate)

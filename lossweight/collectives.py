@@ -1,10 +1,7 @@
-"""What lossweight reduces over: the :class:`Collective` protocol and its two implementations.
-
-A step's numbers are summed over the data-parallel ranks by a ``Collective``: a
-``torch.distributed`` process group (:class:`ProcessGroupCollective`), a single process
-(:class:`SingleProcess`), or anything a user implements (another framework's communicator, or
-ranks simulated in one process, as :mod:`lossweight.testing` does).
-"""
+"""What lossweight reduces over: the :class:`Collective` protocol, and its implementations for
+a ``torch.distributed`` process group and a single process. A user implements it for anything
+else: another framework's communicator, or ranks simulated in one process (as
+:mod:`lossweight.testing` does)."""
 
 from __future__ import annotations
 
@@ -64,31 +61,26 @@ class SingleProcess:
         return None
 
 
+_SINGLE_PROCESS = SingleProcess()
 # Device types each torch.distributed backend reduces on.
 _BACKEND_DEVICE_TYPES = {"gloo": ("cpu",), "nccl": ("cuda",), "xccl": ("xpu",), "mpi": ("cpu",)}
 
 
 class ProcessGroupCollective:
-    """Reduces over a ``torch.distributed`` process group (None: the default group).
-
-    The all-reduce is launched asynchronously and waited on when its result is needed: with
-    ``torch.distributed.all_reduce(async_op=True)``, or, for a reduction that is always waited
-    on (a count-first ``begin()``'s), with the functional all-reduce that torch.compile traces.
-    A group of several backends (``"cpu:gloo,cuda:nccl"``) reduces on each of their devices.
-    """
+    """Reduces over a ``torch.distributed`` process group (None: the default group), with
+    ``all_reduce(async_op=True)``, or, for a reduction that is always waited on (a count-first
+    ``begin()``'s), with the functional all-reduce that torch.compile traces. A group of several
+    backends (``"cpu:gloo,cuda:nccl"``) reduces on each of their devices."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
-        self.world_size = dist.get_world_size(group)
+        self.group, self.world_size = group, dist.get_world_size(group)
         named = group if group is not None else dist.group.WORLD
         assert named is not None  # get_world_size() found the default group
-        self._group_name = named.group_name
-        backend = str(dist.get_backend(group))
-        self._device_types = (
-            tuple(pair.split(":")[0] for pair in backend.split(","))
-            if ":" in backend
-            else _BACKEND_DEVICE_TYPES.get(backend, ("cpu", "cuda"))
-        )
+        self._group_name, backend = named.group_name, str(dist.get_backend(group))
+        if ":" in backend:
+            self._device_types = tuple(pair.split(":")[0] for pair in backend.split(","))
+        else:
+            self._device_types = _BACKEND_DEVICE_TYPES.get(backend, ("cpu", "cuda"))
         if "cuda" in self._device_types and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
@@ -101,30 +93,18 @@ class ProcessGroupCollective:
         if traceable:
             # torch holds a functional collective until it is waited on, so it serves only
             # reductions that always are.
-            return _FunctionalWait(_torch.functional_all_reduce(tensor, self._group_name))
+            return _torch.FunctionalAllReduce(tensor, self._group_name)
         # Looked up on the module at each call, so that code which wraps
         # torch.distributed.all_reduce (to trace collectives) sees this one too.
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return work  # type: ignore[no-any-return]
-
-
-class _FunctionalWait:
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self._tensor = tensor
-
-    def wait(self) -> torch.Tensor:
-        return _torch.wait_tensor(self._tensor)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)  # type: ignore[no-any-return]
 
 
 class CollectiveResolver:
-    """Finds the collective of a step when the step begins, not when the Accumulator is made.
-
-    A collective or a group given explicitly is used as given. Otherwise each ``begin()``
-    looks at ``torch.distributed`` again: the default group if it is initialized (cached until
-    it changes), else a single process. So an Accumulator made before
+    """Finds the collective of a step when the step begins, not when the Accumulator is made:
+    one given explicitly (or its group), else the default group if torch.distributed is
+    initialized (cached until it changes), else a single process. So an Accumulator made before
     ``init_process_group()``, or restored into a job of another size, reduces over the world
-    that exists when its step begins.
-    """
+    that exists when its step begins."""
 
     def __init__(self, group: dist.ProcessGroup | None, collective: Collective | None) -> None:
         if collective is not None and group is not None:
@@ -134,8 +114,7 @@ class CollectiveResolver:
         if collective is not None and not isinstance(collective, Collective):
             raise error("not_a_collective", value=collective)
         self.explicit = collective is not None or group is not None
-        self._group = group
-        self._given = collective
+        self._group, self._given = group, collective
         self._cached: tuple[object, Collective] | None = None
 
     def resolve(self) -> Collective:
@@ -160,9 +139,6 @@ class CollectiveResolver:
         if self._cached is None or self._cached[0] is not key:
             self._cached = (key, ProcessGroupCollective(self._group))
         return self._cached[1]
-
-
-_SINGLE_PROCESS = SingleProcess()
 
 
 def start_all_reduce(

@@ -1,9 +1,8 @@
 """Every error lossweight raises: its exception types and one table of coded messages.
 
-This module imports nothing. A host error is made by :func:`error` from a code and the values
-its message names; a check that runs on a device or inside a compiled graph takes its fixed
-text from :func:`device_message`, so both paths say the same words. docs/errors.md lists an
-input that raises each code, and the test suite runs every row.
+This module imports nothing. :func:`error` makes a host error from a code and the values its
+message names; a check on a device or in a compiled graph takes its fixed text from
+:func:`device_message`, so both say the same words. docs/errors.md lists an input for each code.
 """
 
 from __future__ import annotations
@@ -67,6 +66,8 @@ MESSAGES: dict[str, tuple[type[Exception], str]] = {
     "no_parameters": (ValueError, "parameters holds no parameter (an empty list, or an iterator such as model.parameters() that was used up already); pass model.parameters() afresh"),
     "stale_gradients": (RuntimeError, "parameters given to begin() of a scale-after step already hold nonzero gradients, which end() would rescale as if they came from this step; call optimizer.zero_grad() before begin(), and pass every loss of the step through scale_loss()"),
     "unscaled_gradients": (RuntimeError, "end() of a scale-after step found nonzero gradients, but no loss of the step went through scale_loss() on this rank; pass every loss of the step through scale_loss(loss, num_tokens=...) before its backward"),
+    "bad_max_grad_norm": (ValueError, "end(max_grad_norm={value!r}): max_grad_norm must be a positive finite number, the total norm to clip the step's gradients to; pass None not to clip"),
+    "clip_count_first": (ValueError, "end(max_grad_norm={value!r}) clips what a scale-after step rescales, but this step counts first, and its gradients are final after its last backward; clip them as usual after end(): torch.nn.utils.clip_grad_norm_(model.parameters(), {value!r})"),
     "no_gradients": (ValueError, "none of the {parameters} parameters given to begin() has a gradient after {scaled} microbatches of step {step} went through scale_loss(); pass the parameters of the model those losses came from"),
     # Results and saved state.
     "loss_pending": (RuntimeError, "the loss of step {step} is not reduced yet: with loss_logging='next_step' it travels with the Accumulator's next reduction (the next begin() of a count-first step, end() of a scale-after step, or flush(), called on every rank); read it after that, or construct the Accumulator with loss_logging='end'"),

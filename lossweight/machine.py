@@ -2,15 +2,13 @@
 
 A :class:`State` is a frozen value. A transition takes a state and what a call asked for, and
 returns the next state or raises the coded error of the rule it breaks (changing nothing). It
-imports only the pure errors.py and terms.py, so its rules are property-tested without torch.
-Integrations read ``accumulator.state`` instead of keeping copies.
+imports only the pure errors.py and terms.py, so its rules are property-tested without torch;
+integrations read ``accumulator.state`` instead of keeping copies.
 
 In a count-first step, ``scale_loss()`` takes the next microbatch, ``backward_scale(i)`` gives
-microbatch ``i`` its factor, and ``record_loss(i, loss)`` hands over the loss of a microbatch
-taken so; ``end()`` wants every declared microbatch taken (where ``scale_loss()`` took some,
-a factor read alone does not take one: its loss must be recorded). A compiled
-``scale_loss()`` counts on the device: the caller says so (``traced``), since a graph must not
-read a per-step value.
+microbatch ``i`` its factor, and ``record_loss(i, loss)`` hands over that microbatch's loss;
+``end()`` wants every declared microbatch taken. A compiled ``scale_loss()`` counts on the
+device: the caller says so (``traced``), since a graph must not read a per-step value.
 """
 
 from __future__ import annotations
@@ -110,8 +108,7 @@ def scale(state: State, given: tuple[bool, bool], traced: bool) -> tuple[State, 
 
 
 def trace(state: State) -> int:
-    """A compiled ``scale_loss()``: the position its device counter starts from, after the
-    microbatches eager calls took."""
+    """A compiled ``scale_loss()``: where its device counter starts, after the eager ones."""
     return open_step(state, "scale_loss").scaled
 
 
@@ -198,11 +195,8 @@ def _index(step: Step, caller: str, microbatch: object) -> int:
     except TypeError:
         index = -1
     if not 0 <= index < step.declared:
-        last = step.declared - 1
-        raise error(
-            "bad_microbatch", caller=caller, microbatch=microbatch, step=step.number,
-            declared=step.declared, last=last,
-        )  # fmt: skip
+        where = {"step": step.number, "declared": step.declared, "last": step.declared - 1}
+        raise error("bad_microbatch", caller=caller, microbatch=microbatch, **where)
     return index
 
 

@@ -5,9 +5,8 @@ ranks whose calls are paired wrongly never read each other's numbers as somethin
 Agreement codes are summed with their squares: over ``R`` ranks the sums are ``R * c`` and
 ``R * c**2`` if and only if every rank sent the same ``c``. Count totals travel as two 31-bit
 limbs, exact below 2**62. A failed check raises :class:`DisagreementError` on every rank: at
-once on the CPU; in a compiled graph, as an assert with the table's fixed text; on an
-accelerator, at the next call every rank makes, once the verdict reaches the host (the reduced
-numbers are NaN meanwhile), with no host sync.
+once on the CPU, as an assert in a compiled graph, and without a host sync on an accelerator
+(docs/errors.md says how).
 """
 
 from __future__ import annotations
@@ -18,83 +17,59 @@ from collections.abc import Mapping
 
 import torch
 
-from . import _torch
+from . import _torch, terms
 from .collectives import Collective, Waitable, start_all_reduce
 from .errors import device_message, error
-from .terms import (
-    CALLS,
-    CHOICES,
-    COUNT_FIRST_BEGIN,
-    COUNTS,
-    FIELDS,
-    SCALE_AFTER_END,
-    Layout,
-    number_of,
-)
+from .terms import COUNTS, FIELDS, Layout
 
 LIMB = 2**31
 _CODES = len(FIELDS)
 CHECKED_ON_HOST = ("cpu",)  # device types whose checks read their verdict at once
 
 
-def start(
-    collective: Collective,
-    layout: Layout,
-    codes: tuple[int, ...],
-    device: torch.device,
-    counts: Mapping[str, int | torch.Tensor | None],
-    flags: Mapping[str, tuple[bool, bool]],
-    losses: Mapping[tuple[str, bool], torch.Tensor | None],
-    traceable: bool = False,
-) -> Reduction:
-    """Build this rank's payload on ``device`` and start summing it over the ranks: each
-    count's total (an int, an int64 tensor, or None for 0), for each reported count whether
-    this rank gave and lacked it, and each (term, earlier step's?) loss sum. ``traceable``:
-    the result is always used, maybe inside a graph torch.compile traces."""
-    length, checked, limb_centre = layout.length, layout.checked, (LIMB - 1) / 2
-    squares = [code * code for code in codes]
-    # The payload, then the centre and radius of each checked slot: |sum - centre| <= radius.
-    centre = [collective.world_size * v for v in (*codes, *squares)] + [limb_centre] * len(COUNTS)
-    host = [*codes, *squares, *[0.0] * (length - 2 * _CODES), *centre, *[0.0] * 2 * _CODES]
-    host += [limb_centre] * len(COUNTS)
-    for name, count in counts.items():
-        if isinstance(count, int):
-            host[layout.high[name]], host[layout.low[name]] = divmod(count, LIMB)
-    for name, (gave, lacked) in flags.items():
-        host[layout.flags[name]], host[layout.flags[name] + 1] = gave, lacked
-    # From a buffer rather than a list: several times faster.
-    values = torch.frombuffer(array("d", host), dtype=torch.float64).to(device, non_blocking=True)
-    payload = values[:length]
-    for name, count in counts.items():
-        if isinstance(count, torch.Tensor):
-            limbs = torch.stack((count >> 31, count & (LIMB - 1))).reshape(2, -1).sum(1)
-            payload[layout.high[name] : layout.low[name] + 1 : len(COUNTS)] = limbs
-    for key, loss in losses.items():
-        if loss is not None:
-            payload[layout.loss[key]].copy_(loss)  # copy_ moves a loss on another device too
-            payload[layout.loss[key] + 1].copy_(loss - loss != 0)  # NaN or an infinity
-    bounds = values[length:].view(2, checked)
-    return Reduction(collective, layout, payload, bounds, codes, traceable)
-
-
 class Reduction:
-    """One all-reduce of a payload: started when made, waited on and checked once, when its
-    result is first used."""
+    """One all-reduce of this rank's payload, made on ``device`` from each count's total (an
+    int, an int64 tensor, or None for 0), whether this rank gave and lacked each reported count,
+    and each (term, earlier step's?) loss sum: started when made, waited on and checked when
+    first used. ``traceable``: the result is always used, maybe in a graph torch.compile traces."""
 
     def __init__(
         self,
         collective: Collective,
         layout: Layout,
-        payload: torch.Tensor,
-        bounds: torch.Tensor,
         codes: tuple[int, ...],
-        traceable: bool,
+        device: torch.device,
+        counts: Mapping[str, int | torch.Tensor | None],
+        flags: Mapping[str, tuple[bool, bool]],
+        losses: Mapping[tuple[str, bool], torch.Tensor | None],
+        traceable: bool = False,
     ) -> None:
-        self.layout, self._payload, self._bounds, self._codes = layout, payload, bounds, codes
+        limbs = [(LIMB - 1) / 2] * len(COUNTS)  # a high limb's sum is in [0, LIMB)
+        agreement = [*codes, *(code * code for code in codes)]
+        # The payload, then the centre and radius of each checked slot: |sum - centre| <= radius.
+        centre = [collective.world_size * code for code in agreement] + limbs
+        radius = [0.0] * len(agreement) + limbs
+        host = [*agreement, *[0.0] * (layout.length - len(agreement)), *centre, *radius]
+        for name, count in counts.items():
+            if isinstance(count, int):
+                host[layout.high[name]], host[layout.low[name]] = divmod(count, LIMB)
+        for name, (gave, lacked) in flags.items():
+            host[layout.flags[name]], host[layout.flags[name] + 1] = gave, lacked
+        values = torch.frombuffer(array("d", host), dtype=torch.float64)  # faster than a list
+        values = values.to(device, non_blocking=True)
+        payload, self._bounds = values[: layout.length], values[layout.length :].view(2, -1)
+        for name, count in counts.items():
+            if isinstance(count, torch.Tensor):
+                summed = torch.stack((count >> 31, count & (LIMB - 1))).reshape(2, -1).sum(1)
+                payload[layout.high[name] : layout.low[name] + 1 : len(COUNTS)] = summed
+        for key, loss in losses.items():
+            if loss is not None:
+                payload[layout.loss[key]].copy_(loss)  # copy_ moves a loss on another device too
+                payload[layout.loss[key] + 1].copy_(loss - loss != 0)  # NaN or an infinity
+        self.layout, self._payload, self._codes = layout, payload, codes
         self._world_size, self._collective = collective.world_size, type(collective).__name__
         self._handle: Waitable | None = start_all_reduce(collective, payload, traceable)
-        self._checked = False
-        self.settled = False  # checked, and its verdict known on the host
+        self._checked = self.settled = False  # settled: checked, its verdict known on the host
         self._error: Exception | None = None
         self._verdict: _torch.Verdict | None = None
 
@@ -191,12 +166,8 @@ class Reduction:
 
     def _fail(self, checked: torch.Tensor, payload: torch.Tensor) -> None:
         """Raise, and keep for every later use, the error that says what differs."""
-        passed, values, ranks, codes = (
-            checked.tolist(),
-            payload.tolist(),
-            self._world_size,
-            self._codes,
-        )
+        passed, values = checked.tolist(), payload.tolist()
+        ranks, codes = self._world_size, self._codes
         problems = []
         for field in dict.fromkeys(FIELDS):  # a number's four codes say one thing
             where = [i for i, name in enumerate(FIELDS) if name == field]
@@ -219,23 +190,21 @@ def _problem(field: str, mean: float, mean_square: float, own: tuple[int, ...]) 
     if field == "step":
         return device_message("differ_step", own=own[0], mean=mean)
     if field == "call":
-        others = "; ".join(f"{code}: {name}" for code, name in enumerate(CALLS))
-        problem = device_message("differ_call", call=CALLS[own[0]], mean=mean, codes=others)
+        others = "; ".join(f"{code}: {name}" for code, name in enumerate(terms.CALLS))
+        problem = device_message("differ_call", call=terms.CALLS[own[0]], mean=mean, codes=others)
         # Codes that are all 0 or 1 have a mean square equal to their mean: every rank is in
         # begin() of a count-first step or end() of a scale-after one, so the modes differ.
-        if own[0] in (COUNT_FIRST_BEGIN, SCALE_AFTER_END) and mean_square == mean:
+        if own[0] in (terms.COUNT_FIRST_BEGIN, terms.SCALE_AFTER_END) and mean_square == mean:
             problem += device_message("differ_mode")
         return problem
+    share = round(mean * 100)
     if field == "carried":
-        return device_message(
-            "differ_carried", own="does" if own[0] else "does not", share=round(mean * 100)
-        )
-    if field in CHOICES:
-        first, second = CHOICES[field]
-        own_value, share = CHOICES[field][own[0]], round(mean * 100)
-        fields = {"field": field, "own": own_value, "first": first, "second": second}
+        return device_message("differ_carried", own="does" if own[0] else "does not", share=share)
+    if field in terms.CHOICES:
+        first, second = choices = terms.CHOICES[field]
+        fields = {"field": field, "own": choices[own[0]], "first": first, "second": second}
         return device_message("differ_choice", share=share, **fields)
-    number = number_of(own)
+    number = terms.number_of(own)
     if field == "weight_estimate":
         shown = "the W its last step reduced" if math.isnan(number) else f"{number:g}"
         return device_message("differ_estimate", own=shown)
@@ -244,9 +213,7 @@ def _problem(field: str, mean: float, mean_square: float, own: tuple[int, ...]) 
 
 # Fixed, so that an assert in a compiled graph neither formats a string per reduction nor reads
 # a number that torch.compile may have made symbolic.
-_ASSERT_MESSAGES = tuple(
-    device_message("disagree", field=FIELDS[index % _CODES])
-    if index < 2 * _CODES
-    else device_message("total_too_large", name=f"num_{COUNTS[index - 2 * _CODES]}")
-    for index in range(2 * _CODES + len(COUNTS))
+_ASSERT_MESSAGES = (
+    *[device_message("disagree", field=field) for field in FIELDS * 2],  # codes, their squares
+    *[device_message("total_too_large", name=f"num_{count}") for count in COUNTS],
 )

@@ -27,31 +27,26 @@ class StepResult:
     Reading one never issues a collective: it may wait for a reduction that every rank started
     in ``begin()`` or ``end()``, and on a GPU that wait is a stream dependency, not a host sync.
     Call ``.item()`` when you want a Python number, on any rank or on one only.
+
+    ``grad_norm`` is the total norm of the step's gradients before ``end(max_grad_norm=...)``
+    clipped them, and None when ``end()`` did not clip.
     """
 
     def __init__(
-        self,
-        step: int,
-        counts: Reduction,
-        loss: Reduction | PendingLoss,
-        unrecorded: list[int],
+        self, step: int, counts: Reduction, loss: Reduction | PendingLoss, unrecorded: list[int]
     ) -> None:
-        self.step = step
-        self._counts = counts
-        self._loss_source = loss
-        self._unrecorded = unrecorded
+        self.step, self._counts, self._loss, self._unrecorded = step, counts, loss, unrecorded
         self._weight = counts.layout.terms[0].normaliser
+        self.grad_norm: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"StepResult(step={self.step}, device={self._counts.device})"
 
     @property
     def num_samples(self) -> torch.Tensor:
-        """The global number of samples (int64).
-
-        -1 when samples do not weight the step and they are not known for all of it: no rank
-        gave ``num_samples``, or a rank with a microbatch did not.
-        """
+        """The global number of samples (int64); -1 when samples do not weight the step and
+        they are not known for all of it: no rank gave ``num_samples``, or a rank with a
+        microbatch did not."""
         return self._counts.count("samples")
 
     @property
@@ -68,27 +63,23 @@ class StepResult:
 
     @property
     def loss(self) -> torch.Tensor:
-        """The step's weighted mean loss (float64), from the detached losses of every rank.
-
-        It is reduced by the step's own ``end()`` (scale-after steps, and count-first steps
-        with ``loss_logging="end"``), or with the next reduction of the Accumulator
-        (``loss_logging="next_step"``). Reading it before that raises RuntimeError.
-        """
+        """The step's weighted mean loss (float64), from the detached losses of every rank:
+        reduced by the step's own ``end()`` (scale-after steps, and count-first steps with
+        ``loss_logging="end"``), or with the Accumulator's next reduction
+        (``loss_logging="next_step"``). Reading it before that raises RuntimeError."""
         return self._reduced_loss()[0]
 
     @property
     def nonfinite_loss(self) -> torch.Tensor:
-        """True (a bool tensor) if some rank's loss sum for this step was NaN or infinite.
-
-        It arrives with :attr:`loss`. It sees the losses handed to the Accumulator, not the
-        gradients: a NaN made inside a loss's own backward does not show here.
-        """
+        """True (a bool tensor) if some rank's loss sum for this step was NaN or infinite; it
+        arrives with :attr:`loss`. It sees the losses handed to the Accumulator, not the
+        gradients: a NaN made inside a loss's own backward does not show here."""
         return self._reduced_loss()[1]
 
     def _reduced_loss(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._unrecorded:
             raise error("loss_not_recorded", step=self.step, missing=self._unrecorded)
-        source, previous = self._loss_source, isinstance(self._loss_source, PendingLoss)
+        source, previous = self._loss, isinstance(self._loss, PendingLoss)
         reduction = source.reduction if isinstance(source, PendingLoss) else source
         if reduction is None and isinstance(source, PendingLoss) and source.dropped:
             raise error("loss_dropped", step=self.step, why=source.dropped)

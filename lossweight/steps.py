@@ -1,10 +1,10 @@
 """The tensors of an open step, one class per mode; every number comes from weighting.py.
 
 :class:`CountFirst` knows every count at ``begin()``: its reduction overlaps the first forward,
-and each factor is final. :class:`ScaleAfter` gets the counts with each loss: it scales by a
-provisional factor against an estimate ``E`` of the global weight, then ``end()`` reduces and
-multiplies every gradient by ``E / W``. Which microbatch a call takes is the step machine's
-decision; these classes do the arithmetic and read nothing back to the host.
+and each factor is final. :class:`ScaleAfter` gets the counts with each loss, scales by a
+factor against an estimate ``E`` of ``W``, and at ``end()`` multiplies every gradient by
+``E / W``. The step machine decides which microbatch a call takes; these classes do the
+arithmetic and read nothing back to the host.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from . import _torch, payload, weighting
+from . import _torch, weighting
 from .collectives import Collective
 from .errors import device_message, error
+from .payload import Reduction
 from .terms import COUNTS, Layout
-from .weighting import LossReduction
 
+Count = int | torch.Tensor
 Counts = dict[str, list[int] | torch.Tensor | None]
 _STALE, _UNSCALED = device_message("stale_gradients"), device_message("unscaled_gradients")
 
@@ -43,21 +44,17 @@ class CountFirst:
         self.size, self._divisor = len(weights), divisor
         self.device = device = reduction_device(collective, counts)
         totals = {name: sum(c) if isinstance(c, list) else c for name, c in counts.items()}
-        flags = {
-            n: (counts[n] is not None, counts[n] is None and self.size > 0) for n in layout.reported
-        }
+        gave = {name: counts[name] is not None for name in layout.reported}
+        flags = {name: (g, not g and self.size > 0) for name, g in gave.items()}
         losses = {(self._term.name, True): carried}
         # traceable: scale_loss() uses the totals in every case, maybe in a compiled graph.
-        self.reduction = payload.start(
-            collective, layout, codes, device, totals, flags, losses, True
-        )
-        # Weights given as ints stay on the host too, where "is this one empty?" costs nothing.
+        self.reduction = Reduction(collective, layout, codes, device, totals, flags, losses, True)
+        # Weights given as ints stay on the host too, where "is this one empty?" costs nothing,
+        # and move through a buffer (frombuffer refuses an empty one): faster than from a list.
         self._host_weights = weights if isinstance(weights, list) else None
-        self._weights = (
-            float64(weights, device)
-            if isinstance(weights, list)
-            else weights.to(device, torch.float64, non_blocking=True)
-        )
+        if isinstance(weights, list) and weights:
+            weights = torch.frombuffer(array("d", weights), dtype=torch.float64)
+        self._weights = torch.as_tensor(weights).to(device, torch.float64, non_blocking=True)
         self._factors: torch.Tensor | None = None
         self._cast: tuple[torch.device, torch.dtype, torch.Tensor, torch.Tensor] | None = None
         # Each microbatch's detached loss (float64, on the losses' device), indexed by its
@@ -67,22 +64,19 @@ class CountFirst:
         # int reached from a global, so counting in one would compile a graph per microbatch.
         self.cursor: torch.Tensor | None = None
 
-    def factors(self, loss_reduction: LossReduction) -> torch.Tensor:
-        """Every microbatch's factor as float64, computed once: the first call waits for the
-        count reduction."""
+    def factors(self) -> torch.Tensor:
+        """Every microbatch's factor (float64), made once: the first call waits for the counts."""
         if self._factors is None:
             total = self.reduction.total(self._term.normaliser)
             self._factors = weighting.backward_scale(
-                self._weights, total, self._divisor, loss_reduction
+                self._weights, total, self._divisor, self._term.reduction
             )
         return self._factors
 
-    def scale(
-        self, loss: torch.Tensor, index: int | None, reduction: LossReduction, step: int
-    ) -> torch.Tensor:
+    def scale(self, loss: torch.Tensor, index: int | None, step: int) -> torch.Tensor:
         """``loss`` times microbatch ``index``'s factor; None: at the cursor (an eager call in a
         compiled step, where dynamo fell back)."""
-        factors, positive = self._on(loss, reduction)
+        factors, positive = self._on(loss)
         if index is None:
             assert self.cursor is not None
             if (index := int(self.cursor)) >= self.size:
@@ -95,12 +89,10 @@ class CountFirst:
         # value nor the gradient of the loss it does not select (a NaN of 0/0 included).
         return torch.where(positive[index], loss, 0.0) * factors[index]
 
-    def scale_traced(
-        self, loss: torch.Tensor, reduction: LossReduction, start: int
-    ) -> torch.Tensor:
+    def scale_traced(self, loss: torch.Tensor, start: int) -> torch.Tensor:
         """``scale()`` as torch.compile traces it: the position is a tensor, and nothing in the
         graph depends on the counts or on how many microbatches came before."""
-        factors, positive = self._on(loss, reduction)
+        factors, positive = self._on(loss)
         if self.cursor is None:  # the first compiled microbatch, after ``start`` eager ones
             self.cursor = torch.full((), start, dtype=torch.int64, device=loss.device)
         cursor, losses = self.cursor, self._buffer(loss)
@@ -125,7 +117,7 @@ class CountFirst:
             self._losses = torch.zeros_like(self._weights, device=loss.device)
         return self._losses
 
-    def loss_sum(self, loss_reduction: LossReduction, known: bool) -> torch.Tensor:
+    def loss_sum(self, known: bool) -> torch.Tensor:
         """This rank's term of the loss numerator, after its last microbatch; NaN where a loss
         was not handed over (``known`` False), so that no rank logs a wrong one."""
         if self.cursor is not None:  # a compiled step: checked on the device, no host sync
@@ -137,16 +129,14 @@ class CountFirst:
         weights = self._weights.to(losses.device, non_blocking=True)
         if self._host_weights is None or not all(self._host_weights):
             losses = torch.where(weights > 0, losses, 0.0)  # an empty microbatch's NaN
-        return weighting.loss_contribution(losses, weights, loss_reduction).sum()  # type: ignore[no-any-return]
+        return weighting.loss_contribution(losses, weights, self._term.reduction).sum()  # type: ignore[no-any-return]
 
-    def _on(
-        self, loss: torch.Tensor, reduction: LossReduction
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _on(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The factors at the loss's precision (float32 at least), and whether each weight is
         positive, on the loss's device: made once a step (and a loss device and dtype)."""
         if self._cast is None or self._cast[:2] != (loss.device, loss.dtype):
             dtype = torch.promote_types(loss.dtype, torch.float32)
-            factors = self.factors(reduction).to(loss.device, dtype, non_blocking=True)
+            factors = self.factors().to(loss.device, dtype, non_blocking=True)
             positive = (self._weights > 0).to(loss.device, non_blocking=True)
             self._cast = (loss.device, loss.dtype, factors, positive)
         return self._cast[2], self._cast[3]
@@ -156,52 +146,46 @@ class ScaleAfter:
     """A step whose counts come with each loss, and whose gradients ``end()`` rescales."""
 
     def __init__(
-        self, parameters: list[torch.Tensor], estimate: torch.Tensor | float, divisor: float
+        self,
+        parameters: list[torch.Tensor],
+        estimate: torch.Tensor | float,
+        divisor: float,
+        layout: Layout,
     ) -> None:
         # Gradients left from before the step would be rescaled with this step's.
         _torch.check_zero_gradients(parameters, _STALE)
         self.parameters, self._estimate, self._divisor = parameters, estimate, divisor
+        self._layout, (self._term,) = layout, layout.terms
         self._cast: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._host_totals: dict[str, int] = {}
-        self._tensor_counts: dict[str, list[torch.Tensor]] = {}
+        self._counts: dict[str, list[int | torch.Tensor]] = {name: [] for name in COUNTS}
         self._weights: list[int | torch.Tensor] = []
         self._losses: list[torch.Tensor] = []
-        self.reduction: payload.Reduction | None = None
+        self.reduction: Reduction | None = None
         self.total: torch.Tensor | None = None  # W, once end() has reduced and rescaled
 
-    def scale(
-        self,
-        loss: torch.Tensor,
-        counts: Mapping[str, int | torch.Tensor | None],
-        weight_by: str,
-        reduction: LossReduction,
-    ) -> torch.Tensor:
+    def scale(self, loss: torch.Tensor, counts: Mapping[str, Count | None]) -> torch.Tensor:
         """``loss`` times its provisional factor ``w * D / E`` (or ``D / E``)."""
         for name, count in counts.items():
-            if isinstance(count, int):
-                self._host_totals[name] = self._host_totals.get(name, 0) + count
-            elif count is not None:
-                self._tensor_counts.setdefault(name, []).append(count)
+            if count is not None:
+                self._counts[name].append(count)
         if (key := (loss.device, loss.dtype)) not in self._cast:
             estimate = torch.as_tensor(self._estimate, dtype=torch.float64).to(loss.device)
             # A summed loss's factor D / E is the same for every microbatch: made once.
             shared = weighting.backward_scale(estimate, estimate, self._divisor, "sum")
             self._cast[key] = (estimate, shared.to(torch.promote_types(loss.dtype, torch.float32)))
         estimate, shared = self._cast[key]
-        weight = counts[weight_by]
-        if isinstance(weight, int):
-            guarded = (
-                loss
-                if weight > 0
-                else torch.where(torch.zeros_like(loss, dtype=torch.bool), loss, 0.0)
-            )
+        weight = counts[self._term.normaliser]
+        if isinstance(weight, int) and weight > 0:
+            guarded = loss
+        elif isinstance(weight, int):  # weight 0: nothing of the loss, not even a NaN of 0/0
+            guarded = torch.where(torch.zeros_like(loss, dtype=torch.bool), loss, 0.0)
         else:
             assert weight is not None
             weight = weight.to(loss.device, torch.float64, non_blocking=True)
             guarded = torch.where(weight > 0, loss, 0.0)
         self._losses.append(guarded.detach().to(torch.float64, copy=True))
         self._weights.append(weight)
-        if reduction == "sum":
+        if self._term.reduction == "sum":
             return guarded * shared
         # A Python weight enters through full_like, a fill on the loss's device, so that the
         # factor is a tensor divided by a tensor, rounded once as a count-first factor is.
@@ -212,28 +196,21 @@ class ScaleAfter:
     def finish(
         self,
         collective: Collective,
-        layout: Layout,
         codes: tuple[int, ...],
         given: tuple[bool, bool] | None,
-        loss_reduction: LossReduction,
         carried: torch.Tensor | None,
-    ) -> payload.Reduction:
-        """Reduce the step (once, even if called again after a failure), then rescale its
-        gradients (once)."""
-        (term,) = layout.terms
+    ) -> Reduction:
+        """Reduce the step, then rescale its gradients: each once, even after a failure."""
+        layout, term = self._layout, self._term
         if self.reduction is None:
             self._groups = self._gradients(codes[0])
             totals = {name: self._sum(name) for name in COUNTS}
             device = reduction_device(collective, totals)
-            gave = {
-                name: given is not None and given[COUNTS.index(name)] for name in layout.reported
-            }
-            flags = {name: (g, not g and bool(self._losses)) for name, g in gave.items()}
-            losses = {
-                (term.name, False): self._loss_sum(device, loss_reduction),
-                (term.name, True): carried,
-            }
-            self.reduction = payload.start(collective, layout, codes, device, totals, flags, losses)
+            gave = dict(zip(COUNTS, given or (False, False), strict=True))
+            flags = {n: (gave[n], not gave[n] and bool(self._losses)) for n in layout.reported}
+            own = self._loss_sum(device)
+            losses = {(term.name, False): own, (term.name, True): carried}
+            self.reduction = Reduction(collective, layout, codes, device, totals, flags, losses)
         if self.total is None:
             total = self.reduction.total(term.normaliser)
             # Applied at the gradients' precision or better, never rounded to bf16 first.
@@ -252,14 +229,16 @@ class ScaleAfter:
         return groups
 
     def _sum(self, name: str) -> int | torch.Tensor:
-        tensors, host = self._tensor_counts.get(name, []), self._host_totals.get(name, 0)
+        """A count's total, or where a microbatch gave a tensor, the counts to sum."""
+        tensors = [count for count in self._counts[name] if isinstance(count, torch.Tensor)]
+        host = sum(count for count in self._counts[name] if isinstance(count, int))
         if not tensors:
             return host
         device = accelerator_of(f"num_{name}", (t.device for t in tensors))
         tensors = [*tensors, torch.tensor(host)] if host else tensors
         return torch.stack([t.to(device, non_blocking=True) for t in tensors])
 
-    def _loss_sum(self, device: torch.device, loss_reduction: LossReduction) -> torch.Tensor:
+    def _loss_sum(self, device: torch.device) -> torch.Tensor:
         if not self._losses:
             return torch.zeros((), dtype=torch.float64, device=device)
         losses = torch.stack(self._losses)
@@ -269,14 +248,7 @@ class ScaleAfter:
             weights = torch.stack(
                 [torch.as_tensor(w, device=losses.device).to(torch.float64) for w in self._weights]
             )
-        return weighting.loss_contribution(losses, weights, loss_reduction).sum()  # type: ignore[no-any-return]
-
-
-def float64(values: list[int], device: torch.device) -> torch.Tensor:
-    """A float64 tensor of host numbers on ``device``, made from a buffer (several times faster
-    than from a list) and moved without blocking."""
-    host = torch.frombuffer(array("d", values), dtype=torch.float64) if values else torch.zeros(0)
-    return host.to(device, torch.float64, non_blocking=True)
+        return weighting.loss_contribution(losses, weights, self._term.reduction).sum()  # type: ignore[no-any-return]
 
 
 def accelerator_of(what: str, devices: Iterable[torch.device]) -> torch.device:

@@ -1,11 +1,9 @@
 """What a step carries, as plain data: its options, its loss terms, and the layout they give.
 
-It imports only the pure :mod:`lossweight.weighting` and :mod:`lossweight.errors`, and is the
-one place where the option vocabulary is written: validation, the ranks' agreement codes, the
-saved state and the messages of a disagreement all read :data:`CHOICES` and :data:`OPTIONS`.
-From a step's :class:`Term` list comes the :class:`Layout` of the one payload every reduction
-sums, and from that the fields :class:`~lossweight.StepResult` reports. A new kind of term
-(another normaliser, a second loss) is a new entry here, not a new code path.
+It imports only the pure weighting.py and errors.py, and is the one place where the option
+vocabulary is written (:data:`CHOICES`, :data:`OPTIONS`). From a step's :class:`Term` list
+comes the :class:`Layout` of the one payload every reduction sums: a new kind of term (another
+normaliser, a second loss) is a new entry here, not a new code path.
 """
 
 from __future__ import annotations
@@ -58,7 +56,7 @@ FIELDS = ("step", "call", "carried", *CHOICES, *["grad_reduction"] * 4, *["weigh
 class Options:
     """An Accumulator's options, checked when made."""
 
-    loss_reduction: str
+    loss_reduction: weighting.LossReduction
     weight_by: str = "tokens"
     grad_reduction: str | float = "mean"
     loss_logging: str = "end"
@@ -72,14 +70,13 @@ class Options:
                 raise error("bad_option", name=name, value=getattr(self, name), expected=expected)
         for name, expected in _POSITIVE.items():
             value = getattr(self, name)
-            number = isinstance(value, numbers.Real) and not isinstance(value, bool)
             named = name == "grad_reduction" and value in ("mean", "sum")
-            if not named and not (number and 0 < float(value) < math.inf):
+            if not named and not (finite(value) and value > 0):
                 raise error("bad_option", name=name, value=value, expected=expected)
 
     @property
     def terms(self) -> tuple[Term, ...]:
-        return (Term("loss", self.weight_by),)
+        return (Term("loss", self.weight_by, self.loss_reduction),)
 
     def divisor(self, world_size: int) -> float:
         """``D``, times what a framework divides each loss by: the factors undo both."""
@@ -90,6 +87,11 @@ class Options:
         """The agreement codes of the options, in the order of :data:`FIELDS`."""
         chosen = [CHOICES[name].index(getattr(self, name)) for name in CHOICES]
         return (*chosen, *number_codes(divisor))
+
+
+def finite(value: object) -> bool:
+    """Whether ``value`` is a finite real number (a bool is not)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def number_codes(value: float) -> tuple[int, ...]:
@@ -107,10 +109,12 @@ REDUCED = number_codes(math.nan)
 
 @dataclass(frozen=True)
 class Term:
-    """One loss term of a step: its name and the count that normalises it."""
+    """One loss term of a step: its name, the count that normalises it, and whether each of its
+    losses is the mean or the sum of its items'."""
 
     name: str
     normaliser: str
+    reduction: weighting.LossReduction
 
 
 @dataclass(frozen=True, eq=False)

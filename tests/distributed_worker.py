@@ -81,8 +81,11 @@ def full_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
     return grads
 
 
-def run_step(model, wrapper, microbatches, weight_by, loss_reduction, acc=None, scale_after=False):
-    """One step; with ``acc`` None, the plain ``loss / accumulation_steps`` of most loops."""
+def run_step(
+    model, wrapper, microbatches, weight_by, loss_reduction, acc=None, scale_after=False, clip=None
+):
+    """One step; with ``acc`` None, the plain ``loss / accumulation_steps`` of most loops;
+    ``clip``: a scale-after step's ``end(max_grad_norm=clip)``."""
     if acc is not None and not scale_after:
         acc.begin(
             num_samples=[mb.num_samples for mb in microbatches],
@@ -102,7 +105,7 @@ def run_step(model, wrapper, microbatches, weight_by, loss_reduction, acc=None, 
             loss.backward()
     if acc is None:
         return None
-    return acc.end()
+    return acc.end(max_grad_norm=clip)
 
 
 # The steps each scenario runs: count first with either loss_logging, and scale after.
@@ -181,6 +184,20 @@ def scenario(rank: int, world_size: int, wrapper: str, config: dict) -> dict:
     outcome["modes_relative_difference"] = max(
         max_relative_error(grads[mode], grads["count_first/end"]) for mode in MODES
     )
+    # end(max_grad_norm=...) clips the rescaled gradient: that of the full batch, clipped as
+    # clip_grad_norm_ clips it, to half its norm so that the clipping does clip.
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in expected_grads]))
+    clip = float(norm) / 2
+    model = wrap(copy.deepcopy(base), wrapper, world_size, grad_reduction)
+    acc = Accumulator(
+        weight_by=weight_by, loss_reduction=loss_reduction, grad_reduction=grad_reduction
+    )
+    result = run_step(model, wrapper, microbatches, weight_by, loss_reduction, acc, True, clip)
+    clipped = [g * (clip / (norm + 1e-6)) for g in expected_grads]
+    outcome["clipped"] = {
+        "relative_error": max_relative_error(full_gradients(model), clipped),
+        "norm_relative_error": abs(float(result.grad_norm) / float(norm) - 1),
+    }
     return outcome
 
 

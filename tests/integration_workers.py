@@ -256,7 +256,11 @@ HF_CONFIGS = {
     "classifier/plain": ("classifier", "plain", "samples", True),
     "classifier/lossweight": ("classifier", "lossweight", "samples", True),
     "llama-fp32-loss/lossweight": ("llama-fp32-loss", "lossweight", "tokens", True),
+    "llama/lossweight-clipped": ("llama", "lossweight", "tokens", True),
 }
+# Clipped by the Trainer (max_grad_norm) to half the smallest norm of the steps' full-batch
+# gradients, so that every step clips; the others do not clip.
+HF_CLIPPED = {"llama/lossweight-clipped"}
 
 
 def hf_reference(model: torch.nn.Module, rows: list[dict], classify: bool) -> list[dict]:
@@ -295,7 +299,7 @@ def hf_run(rank: int, world_size: int, tmp: str) -> dict:
             return rows[index]
 
     class Gradients(TrainerCallback):
-        """The gradient just before each optimizer step (clipping is off)."""
+        """The gradient just before each optimizer step, after the Trainer clipped it."""
 
         def __init__(self) -> None:
             self.steps: list[list[torch.Tensor]] = []
@@ -314,6 +318,12 @@ def hf_run(rank: int, world_size: int, tmp: str) -> dict:
         classify = model_name == "classifier"
         base = models[model_name]
         references = hf_reference(base, rows, classify)
+        clip = 0.0  # no clipping: the gradient as the step made it
+        if name in HF_CLIPPED:
+            norms = [torch.stack([g.norm() for g in r["grads"]]).norm() for r in references]
+            clip = float(min(norms)) / 2
+            for reference, norm in zip(references, norms, strict=True):
+                reference["grads"] = [g * (clip / (norm + 1e-6)) for g in reference["grads"]]
         args = TrainingArguments(
             output_dir=f"{tmp}/hf-{rank}",
             per_device_train_batch_size=HF_ROWS,
@@ -321,7 +331,7 @@ def hf_run(rank: int, world_size: int, tmp: str) -> dict:
             gradient_accumulation_steps=HF_MICROBATCHES,
             max_steps=HF_STEPS,
             learning_rate=0.0,  # the same parameters in every step: one reference each
-            max_grad_norm=0.0,  # no clipping: the gradient as the step made it
+            max_grad_norm=clip,
             average_tokens_across_devices=average,
             train_sampling_strategy="sequential",
             remove_unused_columns=False,  # the collator reads the rows' bookkeeping
@@ -367,6 +377,87 @@ def hf_run(rank: int, world_size: int, tmp: str) -> dict:
             "microbatches": dealt,
         }
     outcome["eval_losses"] = evaluations
+    return outcome
+
+
+def hf_resume_run(rank: int, world_size: int, tmp: str) -> dict:
+    """A run saved after one step of 2 microbatches and resumed with 4: each step's gradient and
+    logged loss against the full batch of the rows the step was dealt."""
+    distributed_environment(rank, world_size)
+    from transformers import TrainerCallback, TrainingArguments
+
+    from lossweight.integrations.hf import LossweightTrainer
+
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for index in range(12):
+        ids = torch.randint(1, 32, (int(torch.randint(2, 9, (), generator=generator)),))
+        rows.append({"input_ids": ids, "labels": ids.clone(), "where": [index, 0, 0]})
+    base = hf_models()["llama"]
+    index_of = {tuple(row["input_ids"].tolist()): i for i, row in enumerate(rows)}
+
+    class Gradients(TrainerCallback):
+        def __init__(self) -> None:
+            self.steps: list[list[torch.Tensor]] = []
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.steps.append(gradients(model))
+
+    class Recording(LossweightTrainer):
+        """Records the rows of each step's batches (the data loader collates ahead)."""
+
+        windows: list[list[int]]
+
+        def get_batch_samples(self, *args: Any, **kwargs: Any) -> Any:
+            batches, items = super().get_batch_samples(*args, **kwargs)
+            rows_of = [tuple(int(t) for t in ids if t) for b in batches for ids in b["input_ids"]]
+            self.windows.append([index_of[key] for key in rows_of])
+            return batches, items
+
+    outcome = {}
+    for phase, accumulation, steps in (("saved", 2, 1), ("resumed", 4, 2)):
+        args = TrainingArguments(
+            output_dir=f"{tmp}/resume",
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=accumulation,
+            max_steps=steps,
+            learning_rate=0.0,  # every step's reference is the base model
+            max_grad_norm=0.0,
+            train_sampling_strategy="sequential",
+            remove_unused_columns=False,
+            use_cpu=True,
+            report_to=[],
+            logging_steps=1,
+            save_strategy="steps",
+            save_steps=1,
+            disable_tqdm=True,
+        )
+        collator, grab = HFCollator(classify=False), Gradients()
+        Recording.windows = []
+        trainer = Recording(
+            model=copy.deepcopy(base),
+            args=args,
+            train_dataset=rows,
+            data_collator=collator,
+            callbacks=[grab],
+        )
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer.train(resume_from_checkpoint=phase == "resumed" or None)
+        logs = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        windows = [window for window in Recording.windows if window]
+        errors, expected = [], []
+        for window, seen in zip(windows, grab.steps, strict=True):
+            batch = HFCollator(classify=False)([rows[i] for i in window])
+            loss, grads = reference_gradients(base, lambda m, b=batch: m(**b).loss)
+            errors.append(max_relative_error(seen, grads))
+            expected.append(loss)
+        outcome[phase] = {
+            "windows": windows,
+            "relative_errors": errors,
+            "logged_losses": logs[-len(windows) :],
+            "expected_losses": expected,
+            "steps": [entry["step"] for entry in trainer.state.log_history if "loss" in entry],
+        }
     return outcome
 
 

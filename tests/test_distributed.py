@@ -40,6 +40,15 @@ def test_gradients_equal_the_full_batch_reference(
 
 
 @pytest.mark.parametrize("scenario", SCENARIO_IDS)
+def test_end_clips_the_full_batch_gradient(runs: list[dict], scenario: str) -> None:
+    # end(max_grad_norm=half the full-batch norm): the norm before clipping is the full
+    # batch's, on every rank, and the gradient is the full batch's clipped to half of it.
+    for rank in runs:
+        assert rank[scenario]["clipped"]["norm_relative_error"] < 1e-10
+        assert rank[scenario]["clipped"]["relative_error"] < 1e-10
+
+
+@pytest.mark.parametrize("scenario", SCENARIO_IDS)
 def test_scale_after_gives_the_gradient_of_count_first(runs: list[dict], scenario: str) -> None:
     # The largest difference of any mode (scale-after, count-first with next_step logging) to
     # count-first with end logging.

@@ -35,7 +35,7 @@ def relative(a: float, b: float) -> float:
 
 @pytest.fixture(scope="module")
 def hf() -> list[dict]:
-    # About 8 s on 2 cores (9 Trainer runs per rank); the deadline only stops a hang.
+    # About 9 s on 2 cores (10 Trainer runs per rank); the deadline only stops a hang.
     with tempfile.TemporaryDirectory() as tmp:
         return values(run_ranks(WORLD_SIZE, workers.hf_run, tmp, deadline=150))
 
@@ -60,6 +60,7 @@ HF_EXACT = [
     "llama/lossweight-no-average",  # average_tokens_across_devices=False: HF alone is off
     "no-loss-kwargs/lossweight",  # forward takes no loss kwargs: HF alone is off
     "classifier/lossweight",  # weight_by="samples", uneven rows per microbatch
+    "llama/lossweight-clipped",  # max_grad_norm: the Trainer clips the exact gradient
 ]
 HF_ALONE_OFF = ["llama/plain-no-average", "no-loss-kwargs/plain", "classifier/plain"]
 
@@ -145,6 +146,20 @@ def test_hf_evaluation_is_unchanged(hf: list[dict]) -> None:
         losses = outcome["eval_losses"]
         assert set(losses) == {"plain", "lossweight"}
         assert losses["lossweight"] == losses["plain"]
+
+
+def test_hf_resumes_with_other_accumulation_steps() -> None:
+    # Saved after a step of 2 microbatches, resumed with 4: the resumed Trainer's Accumulator
+    # undoes the new number of accumulation steps, and every step is the full batch's.
+    with tempfile.TemporaryDirectory() as tmp:
+        (outcome,) = values(run_ranks(1, workers.hf_resume_run, tmp, deadline=120))
+    saved, resumed = outcome["saved"], outcome["resumed"]
+    assert [len(w) for w in saved["windows"]] == [2], outcome
+    assert [len(w) for w in resumed["windows"]] == [4], outcome
+    assert resumed["steps"][-1] == 2, outcome
+    for phase in (saved, resumed):
+        assert max(phase["relative_errors"]) < EXACT, outcome
+        assert phase["logged_losses"] == pytest.approx(phase["expected_losses"], rel=1e-4)
 
 
 # ------------------------------------------------------------------------------------------

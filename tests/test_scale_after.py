@@ -378,3 +378,81 @@ def test_a_step_whose_losses_skipped_scale_loss_is_refused() -> None:
     x.grad = None
     acc.begin(parameters=[x])
     assert acc.end().num_tokens.item() == 0 and x.grad is None
+
+
+def _clipped_run(max_grad_norm: float, tied: bool) -> tuple[dict[str, torch.Tensor], ...]:
+    """A linear model, its full-batch gradient clipped by torch, and three microbatches (one
+    empty) of one scale-after step whose end() clips: the gradients and norms of both."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3, dtype=torch.float64)
+    x, y = torch.randn(9, 4, dtype=torch.float64), torch.randn(9, 3, dtype=torch.float64)
+    F.mse_loss(model(x), y, reduction="sum").div(9).backward()
+    full_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}  # type: ignore[union-attr]
+    model.zero_grad(set_to_none=True)
+    acc = Accumulator(loss_reduction="sum", weight_by="samples", weight_estimate=100.0)
+    listed = itertools.chain(model.parameters(), [model.weight]) if tied else model.parameters()
+    acc.begin(parameters=listed)
+    for rows in (slice(0, 2), slice(2, 2), slice(2, 9)):
+        loss = F.mse_loss(model(x[rows]), y[rows], reduction="sum")
+        acc.scale_loss(loss, num_samples=rows.stop - rows.start).backward()
+    result = acc.end(max_grad_norm=max_grad_norm)
+    got = {name: p.grad for name, p in model.named_parameters()}
+    assert result.grad_norm is not None
+    return expected, got, {"full": full_norm, "step": result.grad_norm}  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["listed-once", "listed-twice"])
+@pytest.mark.parametrize("max_grad_norm", [0.05, 1e6], ids=["clips", "below-the-norm"])
+def test_end_clips_the_rescaled_gradient(max_grad_norm: float, tied: bool) -> None:
+    # end(max_grad_norm=...) clips after the rescale, each gradient once however it is listed:
+    # the full batch's gradient clipped by clip_grad_norm_, and its norm before clipping. The
+    # provisional gradient (W assumed 100, the step's is 9) is 11 times off.
+    expected, got, norms = _clipped_run(max_grad_norm, tied)
+    assert norms["step"].item() == pytest.approx(norms["full"].item(), rel=1e-12)
+    clipping = max_grad_norm < norms["full"].item()
+    assert clipping == (max_grad_norm == 0.05)
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-12, atol=0)
+
+
+def test_clipping_before_end_clips_the_wrong_gradient() -> None:
+    # What end(max_grad_norm=...) saves a loop from: clip_grad_norm_ between the last backward
+    # and end() clips the provisional gradient, and end() rescales the clipped one.
+    x = torch.ones((), dtype=torch.float64, requires_grad=True)
+    acc = Accumulator(loss_reduction="sum", weight_estimate=1.0)
+    acc.begin(parameters=[x])
+    acc.scale_loss(x * 10, num_tokens=10).backward()  # exact: 1; provisional: 10
+    torch.nn.utils.clip_grad_norm_([x], 0.5)
+    acc.end()
+    assert x.grad is not None and x.grad.item() == pytest.approx(0.05, rel=1e-5)  # not 0.5
+    x.grad = None
+    acc.begin(parameters=[x])
+    acc.scale_loss(x * 10, num_tokens=10).backward()
+    result = acc.end(max_grad_norm=0.5)
+    assert x.grad.item() == pytest.approx(0.5, rel=1e-5)
+    assert result.grad_norm is not None and result.grad_norm.item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), True, "1"])
+def test_a_bad_max_grad_norm_is_refused_and_the_step_stays_open(value: object) -> None:
+    x = torch.ones((), dtype=torch.float64, requires_grad=True)
+    acc = Accumulator(loss_reduction="sum")
+    acc.begin(parameters=[x])
+    acc.scale_loss(x * 2, num_tokens=2).backward()
+    with pytest.raises(ValueError, match=r"max_grad_norm must be a positive finite number"):
+        acc.end(max_grad_norm=value)  # type: ignore[arg-type]
+    assert acc.step_open
+    assert acc.end().grad_norm is None
+    assert x.grad is not None and x.grad.item() == 1.0
+
+
+def test_count_first_steps_clip_after_end_themselves() -> None:
+    x = torch.ones((), dtype=torch.float64, requires_grad=True)
+    acc = Accumulator(loss_reduction="sum")
+    acc.begin(num_tokens=[2])
+    acc.scale_loss(x * 2).backward()
+    with pytest.raises(ValueError, match=r"clip them as usual after end\(\)"):
+        acc.end(max_grad_norm=1.0)
+    assert acc.step_open
+    acc.end()
