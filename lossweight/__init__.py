@@ -11,7 +11,13 @@ The dependency-free math is in :mod:`lossweight.weighting`.
 
 from .accumulator import Accumulator, StepContext
 from .collectives import Collective, Waitable
-from .counting import count_tokens, count_tokens_per_row, token_cross_entropy
+from .counting import (
+    aggregate,
+    count_sequences,
+    count_tokens,
+    count_tokens_per_row,
+    token_cross_entropy,
+)
 from .errors import DisagreementError
 from .result import StepResult
 
@@ -22,6 +28,8 @@ __all__ = [
     "StepContext",
     "StepResult",
     "Waitable",
+    "aggregate",
+    "count_sequences",
     "count_tokens",
     "count_tokens_per_row",
     "token_cross_entropy",

@@ -12,6 +12,13 @@ for both the count and the loss:
   from position 1 on, so the first position of a row is never a target (and a row of one
   position has none), and the logits from position 0 to the one before last.
 
+- packed rows (several sequences in one row, as padding-free training lays them out): pass
+  ``position_ids`` (a sequence starts where its position id is 0, as Hugging Face's packing
+  collator and flash attention read them) or ``cu_seqlens`` (the cumulative sequence lengths
+  of the flattened labels, as varlen attention takes them). With ``shift=True`` the first
+  position of each sequence is never a target, so no logit predicts the next sequence's first
+  token; counts and losses equal those of the sequences unpacked.
+
 Every function works on tensors of any leading shape (``(..., sequence)``), returns tensors on
 the labels' device, and reads nothing back to the host, so it runs inside
 ``torch.compile(fullgraph=True)``. For labels on the CPU the counts are CPU int64 tensors, which
@@ -20,8 +27,12 @@ the labels' device, and reads nothing back to the host, so it runs inside
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
+
+from . import _torch
 
 
 def count_tokens(
@@ -30,9 +41,11 @@ def count_tokens(
     ignore_index: int = -100,
     shift: bool = False,
     mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The number of target tokens in ``labels``: a 0-dim int64 tensor on their device."""
-    return _targets(labels, ignore_index, shift, mask).sum()
+    return _targets(labels, ignore_index, shift, mask, position_ids, cu_seqlens)[0].sum()
 
 
 def count_tokens_per_row(
@@ -41,9 +54,29 @@ def count_tokens_per_row(
     ignore_index: int = -100,
     shift: bool = False,
     mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The number of target tokens in each row: int64, of shape ``labels.shape[:-1]``."""
-    return _targets(labels, ignore_index, shift, mask).sum(dim=-1)
+    targets = _targets(labels, ignore_index, shift, mask, position_ids, cu_seqlens)[0]
+    return targets.sum(dim=-1)
+
+
+def count_sequences(
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    shift: bool = False,
+    mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The number of sequences with at least one target token: a 0-dim int64 tensor on the
+    labels' device. Each row is a sequence, or several with ``position_ids`` or ``cu_seqlens``
+    (packed rows). This is the ``num_samples`` of a step whose loss is a mean over sequences:
+    a sequence without a target adds nothing to such a loss, so it is not counted."""
+    targets, starts = _targets(labels, ignore_index, shift, mask, position_ids, cu_seqlens)
+    return _sequences(targets, starts)[1].sum()
 
 
 def token_cross_entropy(
@@ -53,6 +86,8 @@ def token_cross_entropy(
     ignore_index: int = -100,
     shift: bool = False,
     mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the sum of the target tokens' cross-entropy losses, the number of target tokens).
 
@@ -68,7 +103,7 @@ def token_cross_entropy(
             f"logits has shape {tuple(logits.shape)} and labels {tuple(labels.shape)}; logits "
             "must have the labels' shape plus a last dimension for the vocabulary"
         )
-    targets = _targets(labels, ignore_index, shift, mask)
+    targets = _targets(labels, ignore_index, shift, mask, position_ids, cu_seqlens)[0]
     if shift:
         logits, labels = logits[..., :-1, :], labels[..., 1:]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -83,10 +118,106 @@ def token_cross_entropy(
     return loss_sum, targets.sum()
 
 
+AggregationMode = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
+_WEIGHT_BY = {
+    "token-mean": "tokens",
+    "seq-mean-token-mean": "samples",
+    "seq-mean-token-sum": "samples",
+    "seq-mean-token-sum-norm": "samples",
+}
+
+
+def aggregate(
+    token_losses: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    mode: AggregationMode,
+    max_length: int | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a microbatch's share of the step's loss numerator, its count) for per-token losses
+    (a policy-gradient loss, say) aggregated as RL trainers do, but over the whole step.
+
+    ``token_losses`` and ``mask`` (1 where a token counts, 0 where it does not) have one shape
+    ``(..., sequence)``; each row is a sequence, or several with ``position_ids`` or
+    ``cu_seqlens``. Over the whole step, with ``S`` the sequences that have a counted token:
+
+    - ``"token-mean"``: the sum of every counted token's loss over their number; the count
+      is tokens (``Accumulator(weight_by="tokens", loss_reduction="sum")``);
+    - ``"seq-mean-token-mean"``: each sequence's mean over its tokens, averaged over ``S``;
+    - ``"seq-mean-token-sum"``: each sequence's sum over its tokens, averaged over ``S``;
+    - ``"seq-mean-token-sum-norm"``: each sequence's sum over its tokens divided by the
+      constant ``max_length``, averaged over ``S`` (Dr. GRPO's ``sum / (S * max_length)``).
+
+    The three ``seq-mean`` modes count sequences: ``weight_by="samples"``,
+    ``loss_reduction="sum"``. A sequence never spans microbatches, so each is exact for any
+    split. The sum is float32 at least; nothing is read back to the host."""
+    if mode not in _WEIGHT_BY:
+        raise ValueError(f"mode={mode!r} is not supported; pass one of {', '.join(_WEIGHT_BY)}")
+    norm = mode == "seq-mean-token-sum-norm"
+    if norm != (max_length is not None):
+        raise ValueError(
+            f"max_length={max_length!r} with mode={mode!r}: pass max_length (the constant "
+            "each sequence's token sum is divided by) with 'seq-mean-token-sum-norm' only"
+        )
+    if norm and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+        raise ValueError(f"max_length={max_length!r}; pass a positive int")
+    if token_losses.shape != mask.shape:
+        raise ValueError(
+            f"token_losses has shape {tuple(token_losses.shape)} but mask "
+            f"{tuple(mask.shape)}; pass one loss per token, of the mask's shape"
+        )
+    if mask.dim() == 0:
+        raise ValueError("mask is a 0-dim tensor; pass a mask of shape (..., sequence)")
+    _torch.assert_true(
+        ((mask == 0) | (mask == 1)).all(),
+        "mask holds values other than 0 and 1; pass 1 where a token counts, 0 where it does not",
+    )
+    targets = mask != 0
+    starts = _sequence_starts(targets, position_ids, cu_seqlens)
+    sizes, first = _sequences(targets, starts)
+    losses = token_losses.to(torch.promote_types(token_losses.dtype, torch.float32))
+    if mode == "seq-mean-token-mean":
+        losses = losses / sizes.clamp(min=1)
+    elif norm:
+        losses = losses / max_length  # type: ignore[operator]
+    # torch.where takes neither the value nor the gradient of a masked-out loss (a NaN included).
+    total = torch.where(targets, losses, 0.0).sum()
+    return total, (targets if mode == "token-mean" else first).sum()
+
+
+def _sequences(targets: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """At each position: how many targets its sequence has, and whether it is its sequence's
+    first target. ``starts`` marks where the sequences of a packed row begin."""
+    if targets.shape[-1] == 0:
+        return targets.to(torch.int64), targets
+    running = targets.to(torch.int64).cumsum(dim=-1)
+    starts = starts.clone()
+    starts[..., 0] = True  # a row begins a sequence, whatever its position ids say
+    # The running count before the position's sequence began: cummax carries the latest start's
+    # forward, since the running count never decreases. Likewise, from the row's end, cummin
+    # carries back the count at the sequence's last position (the one before the next start).
+    before = torch.where(starts, running - targets.to(torch.int64), 0).cummax(dim=-1).values
+    ends = starts.roll(-1, dims=-1)
+    ends[..., -1] = True
+    unreached = torch.iinfo(torch.int64).max
+    after = torch.where(ends, running, unreached).flip(-1).cummin(dim=-1).values.flip(-1)
+    return after - before, targets & (running - before == 1)
+
+
 def _targets(
-    labels: torch.Tensor, ignore_index: int, shift: bool, mask: torch.Tensor | None
-) -> torch.Tensor:
-    """A bool tensor: which positions of the (shifted) labels are targets."""
+    labels: torch.Tensor,
+    ignore_index: int,
+    shift: bool,
+    mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bool tensors of the (shifted) labels' shape: which positions are targets, and which
+    begin a sequence of a packed row."""
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(
             f"labels has dtype {labels.dtype}, but labels are class indices; pass an integer "
@@ -104,8 +235,52 @@ def _targets(
             f"mask has shape {tuple(mask.shape)} but labels {tuple(labels.shape)}; pass a mask "
             "of the labels' shape (1 where a token counts, 0 where it does not)"
         )
+    starts = _sequence_starts(labels, position_ids, cu_seqlens)
     if shift:
         labels = labels[..., 1:]  # a row of one position has no target, as in Hugging Face
         mask = None if mask is None else mask[..., 1:]
+        starts = starts[..., 1:]
     targets = labels != ignore_index
-    return targets if mask is None else targets & (mask != 0)
+    if mask is not None:
+        targets = targets & (mask != 0)
+    # Shifted, a sequence's first position would be the target of the previous one's last logit.
+    return (targets & ~starts if shift else targets), starts
+
+
+def _sequence_starts(
+    labels: torch.Tensor, position_ids: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+) -> torch.Tensor:
+    """Where a sequence of a packed row begins (none marked for unpacked rows)."""
+    if position_ids is not None and cu_seqlens is not None:
+        raise ValueError(
+            "position_ids and cu_seqlens were both given; pass one of them to say where the "
+            "sequences of a packed row begin"
+        )
+    if position_ids is not None:
+        if position_ids.shape != labels.shape:
+            raise ValueError(
+                f"position_ids has shape {tuple(position_ids.shape)} but labels "
+                f"{tuple(labels.shape)}; pass the position ids of the labels' tokens (0 where "
+                "a sequence begins)"
+            )
+        return position_ids == 0
+    starts = torch.zeros(labels.numel(), dtype=torch.bool, device=labels.device)
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.numel() < 2:
+            raise ValueError(
+                f"cu_seqlens has shape {tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}; "
+                "pass the cumulative sequence lengths of the flattened labels as a 1-D integer "
+                "tensor: 0, then the end of each sequence"
+            )
+        message = (
+            f"cu_seqlens must start at 0 and end at the labels' {labels.numel()} tokens, "
+            "increasing; pass the cumulative sequence lengths of the flattened labels"
+        )
+        ends = cu_seqlens.to(labels.device, torch.int64)
+        valid = (ends[0] == 0) & (ends[-1] == labels.numel()) & (ends.diff() >= 0).all()
+        _torch.assert_true(valid, message)  # without a host read
+        # One slot past the end takes the start of an empty last sequence.
+        past = torch.zeros(labels.numel() + 1, dtype=torch.bool, device=labels.device)
+        past[ends[:-1].clamp(0, labels.numel())] = True
+        starts = past[:-1]
+    return starts.view(labels.shape)

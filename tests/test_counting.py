@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lossweight import count_tokens, count_tokens_per_row, token_cross_entropy
+from lossweight import count_sequences, count_tokens, count_tokens_per_row, token_cross_entropy
 
 IGNORE = -100
 
@@ -202,3 +202,156 @@ def test_rows_of_one_position_have_no_target_when_shifted() -> None:
     loss_sum.backward()
     assert loss_sum.item() == 0.0 and count.item() == 0
     assert (logits.grad == 0).all()
+
+
+# Packed rows: several sequences in one row, against the same sequences unpacked.
+
+
+@st.composite
+def packs(draw: st.DrawFn) -> dict:
+    """Sequences of 1 to 6 tokens (some labels ignored, some sequences without any target),
+    packed in order into rows of one length; a row's tail that no sequence fills is padding
+    (ignored labels, position ids counting on from the last sequence, as collators pad)."""
+    sequences = draw(
+        st.lists(
+            st.lists(st.tuples(st.integers(0, 5), st.booleans()), min_size=1, max_size=6),
+            min_size=1,
+            max_size=8,
+        )
+    )
+    sequences = [[IGNORE if ignored else token for token, ignored in s] for s in sequences]
+    length = draw(st.integers(max(map(len, sequences)), 14))
+    rows: list[list[list[int]]] = [[]]
+    for sequence in sequences:
+        if sum(map(len, rows[-1])) + len(sequence) > length:
+            rows.append([])
+        rows[-1].append(sequence)
+    labels, positions, ends = [], [], [0]
+    for row in rows:
+        flat = [label for sequence in row for label in sequence]
+        ids = [i for sequence in row for i in range(len(sequence))]
+        pad = length - len(flat)
+        labels.append(flat + [IGNORE] * pad)
+        positions.append(ids + list(range(ids[-1] + 1, ids[-1] + 1 + pad)))
+        for piece in [*map(len, row), pad] if pad else map(len, row):
+            ends.append(ends[-1] + piece)
+    return {
+        "sequences": sequences,
+        "labels": torch.tensor(labels),
+        "position_ids": torch.tensor(positions),
+        "cu_seqlens": torch.tensor(ends, dtype=torch.int32),
+        "logits": torch.randn(len(rows), length, 6, dtype=torch.float64),
+    }
+
+
+def unpacked(pack: dict, shift: bool) -> tuple[int, float, int]:
+    """(target tokens, their summed cross-entropy, sequences with a target) of the sequences
+    one by one, with the logits each token of them got in the pack."""
+    tokens, loss, sequences = 0, torch.zeros((), dtype=torch.float64), 0
+    row, start = 0, 0
+    for sequence in pack["sequences"]:
+        if start + len(sequence) > pack["labels"].shape[1]:
+            row, start = row + 1, 0
+        labels = torch.tensor([sequence])
+        logits = pack["logits"][row : row + 1, start : start + len(sequence)]
+        count = count_tokens(labels, shift=shift).item()
+        loss = loss + token_cross_entropy(logits, labels, shift=shift)[0]
+        tokens, sequences, start = tokens + count, sequences + (count > 0), start + len(sequence)
+    return tokens, loss.item(), sequences
+
+
+@settings(max_examples=300, deadline=None)
+@given(packs(), st.booleans())
+def test_packed_rows_count_and_lose_as_their_sequences_unpacked(pack: dict, shift: bool) -> None:
+    labels, position_ids = pack["labels"], pack["position_ids"]
+    tokens, loss, sequences = unpacked(pack, shift)
+    packed = {"shift": shift, "position_ids": position_ids}
+    assert count_tokens(labels, **packed).item() == tokens
+    assert count_tokens_per_row(labels, **packed).sum().item() == tokens
+    assert count_sequences(labels, **packed).item() == sequences
+    loss_sum, count = token_cross_entropy(pack["logits"], labels, **packed)
+    assert count.item() == tokens
+    assert loss_sum.item() == pytest.approx(loss, rel=1e-12, abs=1e-12)
+    # The same pack flattened into one row, its sequences given by cu_seqlens: the padding of
+    # a row is a sequence of its own, without targets.
+    flat, cu_seqlens = labels.reshape(1, -1), pack["cu_seqlens"]
+    assert count_tokens(flat, shift=shift, cu_seqlens=cu_seqlens).item() == tokens
+    assert count_sequences(flat, shift=shift, cu_seqlens=cu_seqlens).item() == sequences
+    flat_logits = pack["logits"].reshape(1, -1, 6)
+    flat_loss = token_cross_entropy(flat_logits, flat, shift=shift, cu_seqlens=cu_seqlens)[0]
+    assert flat_loss.item() == pytest.approx(loss, rel=1e-12, abs=1e-12)
+
+
+def test_a_shift_across_a_packed_boundary_is_what_position_ids_remove() -> None:
+    # Two sequences in a row: unshifted-aware, the last logit of the first predicts the first
+    # token of the second, a target that exists in neither sequence.
+    labels, position_ids = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[0, 1, 2, 0, 1]])
+    assert count_tokens(labels, shift=True).item() == 4
+    assert count_tokens(labels, shift=True, position_ids=position_ids).item() == 3
+    assert count_sequences(labels, shift=True).item() == 1
+    assert count_sequences(labels, shift=True, position_ids=position_ids).item() == 2
+    # A sequence of one token has no target once shifted, so it is not counted.
+    single = torch.tensor([[0, 1, 2, 0, 0]])
+    assert count_sequences(labels, shift=True, position_ids=single).item() == 1
+    assert count_sequences(labels, position_ids=single).item() == 3
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        (
+            {
+                "position_ids": torch.zeros(1, 5, dtype=torch.int64),
+                "cu_seqlens": torch.tensor([0, 5]),
+            },
+            ValueError,
+            r"position_ids and cu_seqlens were both given; pass one of them",
+        ),
+        (
+            {"position_ids": torch.zeros(1, 4, dtype=torch.int64)},
+            ValueError,
+            r"position_ids has shape \(1, 4\) but labels \(1, 5\)",
+        ),
+        (
+            {"cu_seqlens": torch.tensor([0.0, 5.0])},
+            ValueError,
+            r"cu_seqlens has shape \(2,\) and dtype torch.float32; pass the cumulative sequence",
+        ),
+        (
+            {"cu_seqlens": torch.tensor([0, 3, 4])},
+            RuntimeError,
+            r"cu_seqlens must start at 0 and end at the labels' 5 tokens",
+        ),
+        (
+            {"cu_seqlens": torch.tensor([0, 4, 3, 5])},
+            RuntimeError,
+            r"cu_seqlens must start at 0 and end at the labels' 5 tokens, increasing",
+        ),
+    ],
+)
+def test_packing_errors(arguments: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        count_tokens(torch.tensor([[5, 6, 7, 8, 9]]), shift=True, **arguments)
+
+
+def test_packed_helpers_compile_without_graph_breaks() -> None:
+    torch._dynamo.reset()
+    labels = torch.tensor([[IGNORE, 3, 4, 5, 6, 1], [1, 2, 3, IGNORE, IGNORE, IGNORE]])
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 0, 1, 2, 3]])
+    logits = torch.randn(2, 6, 7)
+
+    def everything(logits: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor):
+        packed = {"shift": True, "position_ids": position_ids}
+        return (
+            count_tokens(labels, **packed),
+            count_sequences(labels, **packed),
+            *token_cross_entropy(logits, labels, **packed),
+        )
+
+    compiled = torch.compile(everything, fullgraph=True)
+    for got, expected in zip(
+        compiled(logits, labels, position_ids),
+        everything(logits, labels, position_ids),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, expected)
