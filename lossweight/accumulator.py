@@ -518,10 +518,15 @@ def _not_into_another_step(loss: torch.Tensor, own: object) -> None:
 
 
 def _check_max_grad_norm(value: object, tensors: CountFirst | ScaleAfter | None) -> None:
+    """Before the step closes: a clip that would fail must leave the step open."""
     if not terms.finite(value) or not value > 0:  # type: ignore[operator]
         raise error("bad_max_grad_norm", value=value)
     if isinstance(tensors, CountFirst):
         raise error("clip_count_first", value=value)
+    if tensors is not None and any(
+        p.grad is not None and p.grad.is_sparse for p in tensors.parameters
+    ):
+        raise error("clip_sparse", value=value)
 
 
 def _check_loss(loss: object) -> None:

@@ -177,7 +177,7 @@ def aggregate(
         "mask holds values other than 0 and 1; pass 1 where a token counts, 0 where it does not",
     )
     targets = mask != 0
-    starts = _sequence_starts(targets, position_ids, cu_seqlens)
+    starts = _sequence_starts(targets, position_ids, cu_seqlens, name="mask")
     sizes, first = _sequences(targets, starts)
     losses = token_losses.to(torch.promote_types(token_losses.dtype, torch.float32))
     if mode == "seq-mean-token-mean":
@@ -213,8 +213,8 @@ def _targets(
     ignore_index: int,
     shift: bool,
     mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
+    position_ids: object,
+    cu_seqlens: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bool tensors of the (shifted) labels' shape: which positions are targets, and which
     begin a sequence of a packed row."""
@@ -248,39 +248,54 @@ def _targets(
 
 
 def _sequence_starts(
-    labels: torch.Tensor, position_ids: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+    labels: torch.Tensor,
+    position_ids: object,
+    cu_seqlens: object,
+    name: str = "labels",
 ) -> torch.Tensor:
-    """Where a sequence of a packed row begins (none marked for unpacked rows)."""
+    """Where a sequence of a packed row begins (none marked for unpacked rows); ``labels``
+    gives the shape, and is called ``name`` in messages."""
     if position_ids is not None and cu_seqlens is not None:
         raise ValueError(
             "position_ids and cu_seqlens were both given; pass one of them to say where the "
             "sequences of a packed row begin"
         )
-    if position_ids is not None:
+    for argument, value in (("position_ids", position_ids), ("cu_seqlens", cu_seqlens)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"{argument}={value!r} is not a tensor; pass an integer tensor")
+    if isinstance(position_ids, torch.Tensor):
         if position_ids.shape != labels.shape:
             raise ValueError(
-                f"position_ids has shape {tuple(position_ids.shape)} but labels "
-                f"{tuple(labels.shape)}; pass the position ids of the labels' tokens (0 where "
+                f"position_ids has shape {tuple(position_ids.shape)} but {name} "
+                f"{tuple(labels.shape)}; pass the position ids of the {name}' tokens (0 where "
                 "a sequence begins)"
             )
         return position_ids == 0
     starts = torch.zeros(labels.numel(), dtype=torch.bool, device=labels.device)
-    if cu_seqlens is not None:
+    if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.numel() < 2:
             raise ValueError(
                 f"cu_seqlens has shape {tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}; "
-                "pass the cumulative sequence lengths of the flattened labels as a 1-D integer "
-                "tensor: 0, then the end of each sequence"
+                f"pass the cumulative sequence lengths of the flattened {name} as a 1-D "
+                "integer tensor: 0, then the end of each sequence"
             )
-        message = (
-            f"cu_seqlens must start at 0 and end at the labels' {labels.numel()} tokens, "
-            "increasing; pass the cumulative sequence lengths of the flattened labels"
-        )
         ends = cu_seqlens.to(labels.device, torch.int64)
         valid = (ends[0] == 0) & (ends[-1] == labels.numel()) & (ends.diff() >= 0).all()
+        message = (
+            f"cu_seqlens must start at 0 and end at the {name}' {labels.numel()} tokens, "
+            f"increasing; pass the cumulative sequence lengths of the flattened {name}"
+        )
         _torch.assert_true(valid, message)  # without a host read
         # One slot past the end takes the start of an empty last sequence.
         past = torch.zeros(labels.numel() + 1, dtype=torch.bool, device=labels.device)
         past[ends[:-1].clamp(0, labels.numel())] = True
         starts = past[:-1]
+        # Each row is read on its own (the shift included), so no sequence may cross rows.
+        row_starts = starts.view(-1, labels.shape[-1])[:, 0] if labels.numel() else starts
+        message = (
+            f"cu_seqlens must begin a sequence at the first token of every row of the {name} "
+            f"(a multiple of {labels.shape[-1]}): a sequence may not cross rows; flatten the "
+            f"{name} to one row, or give each row its own sequences"
+        )
+        _torch.assert_true(row_starts.all(), message)
     return starts.view(labels.shape)

@@ -323,6 +323,11 @@ def test_a_shift_across_a_packed_boundary_is_what_position_ids_remove() -> None:
             r"cu_seqlens must start at 0 and end at the labels' 5 tokens",
         ),
         (
+            {"cu_seqlens": [0, 5]},
+            TypeError,
+            r"cu_seqlens=\[0, 5\] is not a tensor; pass an integer tensor",
+        ),
+        (
             {"cu_seqlens": torch.tensor([0, 4, 3, 5])},
             RuntimeError,
             r"cu_seqlens must start at 0 and end at the labels' 5 tokens, increasing",
@@ -355,3 +360,18 @@ def test_packed_helpers_compile_without_graph_breaks() -> None:
         strict=True,
     ):
         torch.testing.assert_close(got, expected)
+
+
+def test_cu_seqlens_may_not_cross_the_rows_of_2d_labels() -> None:
+    # Each row is read on its own (its shift included): a sequence across rows would be cut in
+    # two and miscounted, so it is refused; sequences that begin every row are accepted.
+    labels = torch.arange(1, 9).reshape(2, 4)
+    for crossing in ([0, 8], [0, 2, 6, 8]):
+        with pytest.raises(
+            RuntimeError, match=r"cu_seqlens must begin a sequence at the first token of every row"
+        ):
+            count_sequences(labels, cu_seqlens=torch.tensor(crossing))
+    assert count_sequences(labels, cu_seqlens=torch.tensor([0, 2, 4, 8])).item() == 3
+    assert (
+        count_tokens(labels, shift=True, cu_seqlens=torch.tensor([0, 2, 4, 8])).item() == 1 + 1 + 3
+    )

@@ -456,3 +456,19 @@ def test_count_first_steps_clip_after_end_themselves() -> None:
         acc.end(max_grad_norm=1.0)
     assert acc.step_open
     acc.end()
+
+
+def test_a_sparse_gradient_is_not_clipped_and_the_step_stays_open() -> None:
+    embedding = torch.nn.Embedding(5, 3, sparse=True, dtype=torch.float64)
+    acc = Accumulator(weight_by="samples", loss_reduction="sum")
+    acc.begin(parameters=embedding)
+    acc.scale_loss(embedding(torch.tensor([1, 2, 2])).sum(), num_samples=3).backward()
+    with pytest.raises(ValueError, match=r"cannot clip a sparse gradient"):
+        acc.end(max_grad_norm=0.1)
+    assert acc.step_open
+    result = acc.end()  # the step's result is not lost
+    assert result.num_samples.item() == 3
+    assert embedding.weight.grad is not None
+    torch.testing.assert_close(
+        embedding.weight.grad.to_dense()[2], torch.full((3,), 2 / 3, dtype=torch.float64)
+    )

@@ -13,6 +13,9 @@ one you use.
   :class:`~lossweight.integrations.lightning.LossweightCallback`, a Lightning callback for
   automatic optimization (with ``accumulate_grad_batches``) and manual optimization
   (``pip install "lossweight[lightning]"``).
+- :mod:`lossweight.integrations.deepspeed`:
+  :class:`~lossweight.integrations.deepspeed.DeepSpeedAccumulator`, an Accumulator bound to a
+  DeepSpeed engine, at every ZeRO stage (``pip install "lossweight[deepspeed]"``).
 
 docs/integrations.md has a complete example for each.
 """

@@ -1,0 +1,114 @@
+"""An Accumulator bound to a DeepSpeed engine.
+
+DeepSpeed divides every loss of a step by its gradient accumulation steps: ``engine.backward``
+divides the loss, and a plain ``loss.backward()`` on an engine-wrapped model divides each
+gradient instead. It then averages the gradients over the data-parallel ranks, and at ZeRO
+stages 1 to 3 keeps them in its partitions. :class:`DeepSpeedAccumulator` reads the
+accumulation steps from the engine and undoes that division (through the Accumulator's
+``framework_divides_loss_by``), and it makes DeepSpeed's accumulation boundary fall on the last
+microbatch that ``begin()`` declared, so that a window shorter than the accumulation steps (the
+last one of an epoch) is reduced and stepped as one optimizer step::
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    lw = DeepSpeedAccumulator(engine, loss_reduction="sum")
+    for window in windows:                        # a step's microbatches
+        lw.begin(num_tokens=[lossweight.count_tokens(y, shift=True) for _, y in window])
+        for x, y in window:
+            loss_sum, _ = lossweight.token_cross_entropy(engine(x), y, shift=True)
+            engine.backward(lw.scale_loss(loss_sum))   # or lw.scale_loss(loss_sum).backward()
+            if engine.is_gradient_accumulation_boundary():
+                result = lw.end()
+            engine.step()
+
+Count first works at every ZeRO stage, with either backward call. Scaling after rescales the
+gradients once after the last backward, which only ZeRO stage 0 keeps in ``param.grad``: at
+stages 1 to 3 ``begin(parameters=...)`` is refused with an error that names count first.
+DeepSpeed clips the gradients in ``engine.step()`` (``gradient_clipping``, 1.0 unless the config
+says otherwise), after ``end()``: it clips the exact gradient.
+
+Relies on these engine methods: ``gradient_accumulation_steps()``, ``zero_optimization_stage()``,
+``set_gradient_accumulation_boundary()`` and ``is_gradient_accumulation_boundary()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .. import Accumulator, machine
+from ..accumulator import Count, Counts, StepContext
+from ..result import StepResult
+
+_ENGINE_DECIDES = ("framework_divides_loss_by", "grad_reduction")
+
+
+class DeepSpeedAccumulator(Accumulator):
+    """An :class:`~lossweight.Accumulator` for the DeepSpeed ``engine``: every option but
+    ``framework_divides_loss_by`` and ``grad_reduction``, which the engine decides (it divides
+    each loss by its accumulation steps, and averages the ranks' gradients)."""
+
+    def __init__(self, engine: Any, **options: Any) -> None:
+        for name in _ENGINE_DECIDES:
+            if name in options:
+                raise ValueError(
+                    f"DeepSpeedAccumulator got {name}={options[name]!r}, which the engine "
+                    "decides: it divides each loss by its gradient accumulation steps "
+                    f"({engine.gradient_accumulation_steps()}) and averages the ranks' "
+                    f"gradients; drop {name}"
+                )
+        steps = engine.gradient_accumulation_steps()
+        super().__init__(framework_divides_loss_by=steps, grad_reduction="mean", **options)
+        self.engine = engine
+
+    def begin(
+        self,
+        *,
+        num_samples: Counts | None = None,
+        num_tokens: Counts | None = None,
+        parameters: Iterable[Any] | None = None,
+        step: int | None = None,
+    ) -> StepContext:
+        """:meth:`Accumulator.begin`; scaling after only at ZeRO stage 0."""
+        stage = self.engine.zero_optimization_stage()
+        if parameters is not None and stage > 0:
+            raise ValueError(
+                f"begin(parameters=...) scales after, but ZeRO stage {stage} moves the "
+                "gradients into its partitions during the backward, where end() cannot rescale "
+                "them; count first: begin(num_tokens=[...]) with every microbatch's count"
+            )
+        return super().begin(
+            num_samples=num_samples, num_tokens=num_tokens, parameters=parameters, step=step
+        )
+
+    def scale_loss(
+        self,
+        loss: torch.Tensor,
+        *,
+        num_samples: Count | None = None,
+        num_tokens: Count | None = None,
+    ) -> torch.Tensor:
+        """:meth:`Accumulator.scale_loss`; counting first, it also tells the engine whether
+        this microbatch ends the step, where DeepSpeed reduces and steps."""
+        scaled = super().scale_loss(loss, num_samples=num_samples, num_tokens=num_tokens)
+        step = self.state.step
+        if step is not None and step.mode == machine.COUNT_FIRST:
+            self.engine.set_gradient_accumulation_boundary(step.scaled == step.declared)
+        return scaled
+
+    def end(self, *, max_grad_norm: float | None = None) -> StepResult:
+        """:meth:`Accumulator.end`, after the step's last backward and before its
+        ``engine.step()``. A scale-after step must end at DeepSpeed's accumulation boundary,
+        where the gradients are reduced."""
+        step = self.state.step
+        scaling_after = step is not None and step.mode == machine.SCALE_AFTER
+        if scaling_after and not self.engine.is_gradient_accumulation_boundary():
+            raise RuntimeError(
+                f"end() of scale-after step {self.state.steps} came before DeepSpeed's gradient "
+                "accumulation boundary, so the gradients are not reduced yet; end a scale-after "
+                f"step after the backward of every {self.engine.gradient_accumulation_steps()}th "
+                "microbatch (engine.is_gradient_accumulation_boundary() is true there), or count "
+                "first"
+            )
+        return super().end(max_grad_norm=max_grad_norm)

@@ -1,0 +1,317 @@
+"""The DeepSpeed runs of tests/test_deepspeed.py: one 2-rank gloo world, every case in it.
+
+Each case trains a small float32 model under a DeepSpeed engine with gradient accumulation
+steps 3, through uneven windows: rows spread unevenly over ranks and microbatches, an empty
+microbatch, a step where rank 1 has no row at all, and a short last window of 2 microbatches.
+Each step's gradient, read before its ``engine.step()`` at the boundary, is compared with the
+full-batch gradient of the step's rows (float64, one process). DeepSpeed keeps float32 master
+gradients, so the comparison is at float32 precision.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .integration_workers import distributed_environment
+
+ACCUMULATION = 3
+# Rows per rank and microbatch, for each step of a run: the last window is short.
+WINDOWS = [
+    [[4, 0, 2], [1, 3, 5]],
+    [[2, 6, 1], [0, 0, 0]],  # rank 1 has no row in this step
+    [[3, 1], [2, 2]],  # a short last window
+]
+WIDTH = 4
+# Large, so that the update of float32 weights carries the gradient to float32 precision.
+LR = 1000.0
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(WIDTH, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+    ).float()
+
+
+def data(step: int, rank: int, microbatch: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + 100 * rank + microbatch)
+    x = torch.randn(rows, WIDTH, generator=generator, dtype=torch.float64)
+    return x, torch.randn(rows, generator=generator, dtype=torch.float64)
+
+
+def references(base: torch.nn.Module, windows: list[list[list[int]]]) -> list[list[torch.Tensor]]:
+    """Per step: the float64 gradient of the mean squared error over all of its rows."""
+    grads = []
+    for step, ranks in enumerate(windows):
+        reference = copy.deepcopy(base).double()
+        total, count = torch.zeros((), dtype=torch.float64), 0
+        for rank, microbatches in enumerate(ranks):
+            for microbatch, rows in enumerate(microbatches):
+                x, y = data(step, rank, microbatch, rows)
+                total = total + ((reference(x).squeeze(-1) - y) ** 2).sum()
+                count += rows
+        (total / count).backward()
+        grads.append([p.grad.clone() for p in reference.parameters()])
+    return grads
+
+
+def relative_error(got: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
+    return max(
+        float((g.double() - e).abs().max() / e.abs().max().clamp(min=1e-12))
+        for g, e in zip(got, expected, strict=True)
+    )
+
+
+def engine_for(base: torch.nn.Module, stage: int, log_comms: bool = False) -> Any:
+    import deepspeed
+
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": ACCUMULATION,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,  # DeepSpeed clips to 1.0 by default
+    }
+    if log_comms:  # DeepSpeed's own count of its collectives
+        config["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False}
+    net = copy.deepcopy(base)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)  # the same weights every step
+    engine, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=config)
+    return engine
+
+
+def train(
+    engine: Any,
+    rank: int,
+    backward: str,
+    scale_after: bool,
+    windows: list[list[list[int]]],
+    read: bool = True,
+) -> dict[str, Any]:
+    """The documented loop; each step's full gradient before its last ``engine.step()``."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from lossweight.integrations.deepspeed import DeepSpeedAccumulator
+
+    lw = DeepSpeedAccumulator(engine, loss_reduction="sum", weight_by="samples")
+    steps, losses = [], []
+    for step, ranks in enumerate(windows):
+        mine = ranks[rank]
+        if scale_after:
+            lw.begin(parameters=engine.module.parameters())
+        else:
+            lw.begin(num_samples=mine)
+        for microbatch, rows in enumerate(mine):
+            x, y = data(step, rank, microbatch, rows)
+            loss = ((engine(x.float()).squeeze(-1).double() - y) ** 2).sum()
+            scaled = lw.scale_loss(loss, num_samples=rows) if scale_after else lw.scale_loss(loss)
+            if backward == "engine":
+                engine.backward(scaled)
+            else:
+                scaled.backward()
+            if engine.is_gradient_accumulation_boundary():
+                result = lw.end()
+                if read:  # gathering a full gradient is a collective of its own
+                    steps.append([safe_get_full_grad(p) for p in engine.module.parameters()])
+                losses.append(result.loss.item())
+            engine.step()
+    return {"grads": steps, "losses": losses}
+
+
+def run(rank: int, world_size: int) -> dict[str, Any]:
+    distributed_environment(rank, world_size)
+    warnings.filterwarnings("ignore")
+    # DeepSpeed builds its shared-memory communication op on first use: one rank at a time.
+    from deepspeed.comm.torch import build_shm_op
+
+    for builder in range(world_size):
+        if rank == builder:
+            build_shm_op()
+        dist.barrier()
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    base = model()
+    expected = references(base, WINDOWS)
+    outcome: dict[str, Any] = {}
+    cases = [(stage, backward) for stage in range(4) for backward in ("engine", "plain")]
+    for stage, backward in cases:
+        name = f"zero{stage}/{backward}"
+        try:
+            seen = train(engine_for(base, stage), rank, backward, False, WINDOWS)
+        except RuntimeError as error:  # DeepSpeed refuses a plain backward at stage 0
+            outcome[name] = {"error": str(error)}
+            continue
+        outcome[name] = {
+            "errors": [relative_error(g, e) for g, e in zip(seen["grads"], expected, strict=True)],
+            "losses": seen["losses"],
+        }
+    # DeepSpeed's own collectives over the two full windows, as its comms logger counts them,
+    # in a loop without lossweight and in the same loop with it.
+    from deepspeed.comm import comms_logger
+
+    for stage in range(4):
+        counted = {}
+        for variant in ("deepspeed", "with_lossweight"):
+            engine = engine_for(base, stage, log_comms=True)
+            comms_logger.comms_dict = {}
+            if variant == "deepspeed":
+                plain_loop(engine, rank, WINDOWS[:2])
+            else:
+                train(engine, rank, "engine", False, WINDOWS[:2], read=False)
+            counted[variant] = {
+                name: sum(entry[0] for entry in sizes.values())
+                for name, sizes in comms_logger.comms_dict.items()
+            }
+            comms_logger.enabled = False
+        outcome[f"zero{stage}/collectives"] = counted
+    # Scaling after: windows of the accumulation steps, at stage 0.
+    seen = train(engine_for(base, 0), rank, "engine", True, WINDOWS[:2])
+    outcome["zero0/scale-after"] = {
+        "errors": [relative_error(g, e) for g, e in zip(seen["grads"], expected[:2], strict=True)],
+        "losses": seen["losses"],
+    }
+    outcome["expected_losses"] = expected_losses(base, WINDOWS)
+    outcome["misuse"] = misuse(base, rank)
+    return outcome
+
+
+def plain_loop(engine: Any, rank: int, windows: list[list[list[int]]]) -> None:
+    """The loop without lossweight: each microbatch's mean loss, DeepSpeed's own division."""
+    for step, ranks in enumerate(windows):
+        for microbatch, rows in enumerate(ranks[rank]):
+            x, y = data(step, rank, microbatch, rows)
+            loss = ((engine(x.float()).squeeze(-1).double() - y) ** 2).sum() / max(rows, 1)
+            engine.backward(loss)
+            engine.step()
+
+
+def expected_losses(base: torch.nn.Module, windows: list[list[list[int]]]) -> list[float]:
+    reference = copy.deepcopy(base).double()
+    losses = []
+    for step, ranks in enumerate(windows):
+        total, count = 0.0, 0
+        for rank, microbatches in enumerate(ranks):
+            for microbatch, rows in enumerate(microbatches):
+                x, y = data(step, rank, microbatch, rows)
+                total += float(((reference(x).squeeze(-1) - y) ** 2).sum())
+                count += rows
+        losses.append(total / count)
+    return losses
+
+
+def misuse(base: torch.nn.Module, rank: int) -> dict[str, str]:
+    """The message of each misuse, or "accepted"."""
+    from lossweight.integrations.deepspeed import DeepSpeedAccumulator
+
+    found = {}
+    engine = engine_for(base, 2)
+    attempts = {
+        "divides_given": lambda: DeepSpeedAccumulator(
+            engine, loss_reduction="sum", framework_divides_loss_by=3
+        ),
+        "scale_after_zero2": lambda: DeepSpeedAccumulator(engine, loss_reduction="sum").begin(
+            parameters=engine.module.parameters()
+        ),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            found[name] = "accepted"
+        except (ValueError, RuntimeError) as error:
+            found[name] = str(error)
+    # A scale-after step ended before the boundary (one microbatch of 3).
+    engine = engine_for(base, 0)
+    lw = DeepSpeedAccumulator(engine, loss_reduction="sum", weight_by="samples")
+    lw.begin(parameters=engine.module.parameters())
+    x, y = data(0, rank, 0, 2)
+    engine.backward(
+        lw.scale_loss(((engine(x.float()).squeeze(-1).double() - y) ** 2).sum(), num_samples=2)
+    )
+    try:
+        lw.end()
+        found["early_end"] = "accepted"
+    except RuntimeError as error:
+        found["early_end"] = str(error)
+    return found
+
+
+def hf_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """One optimizer step of LossweightTrainer under a DeepSpeed config (ZeRO 2), for a model
+    whose forward takes the loss kwargs and one whose forward does not (transformers #45305):
+    the step's gradient, read from the update of plain SGD, against the full batch."""
+    distributed_environment(rank, world_size)
+    from deepspeed.comm.torch import build_shm_op
+    from transformers import TrainingArguments
+
+    from lossweight.integrations.hf import LossweightTrainer
+
+    from . import integration_workers as hf
+
+    for builder in range(world_size):
+        if rank == builder:
+            build_shm_op()
+        dist.barrier()
+    rows = hf.hf_rows(world_size)
+    models = hf.hf_models()
+    outcome: dict[str, Any] = {}
+    for name in ("llama", "no-loss-kwargs"):
+        base = models[name].float()
+        reference = hf.hf_reference(copy.deepcopy(base).double(), rows, False)[0]
+        config = {
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "zero_optimization": {"stage": 2},
+            "zero_allow_untested_optimizer": True,
+        }
+        args = TrainingArguments(
+            output_dir=f"{tmp}/ds-{rank}",
+            per_device_train_batch_size=hf.HF_ROWS,
+            gradient_accumulation_steps=hf.HF_MICROBATCHES,
+            max_steps=1,
+            learning_rate=LR,
+            lr_scheduler_type="constant",
+            optim="sgd",
+            weight_decay=0.0,
+            max_grad_norm=0.0,
+            deepspeed=config,
+            train_sampling_strategy="sequential",
+            remove_unused_columns=False,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+        )
+        model = copy.deepcopy(base)
+        before = [p.detach().clone() for p in model.parameters()]
+        trainer = LossweightTrainer(
+            model=model, args=args, train_dataset=Rows(rows), data_collator=hf.HFCollator(False)
+        )
+        trainer.train()
+        after = [p.detach().double() for p in trainer.model.parameters()]
+        grads = [(b.double() - a) / LR for b, a in zip(before, after, strict=True)]
+        outcome[name] = {
+            "error": relative_error(grads, reference["grads"]),
+            "loss": trainer.last_result.loss.item() if trainer.last_result else None,
+            "expected_loss": reference["loss"],
+        }
+    return outcome
+
+
+class Rows(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.rows[index]
