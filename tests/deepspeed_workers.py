@@ -16,7 +16,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .integration_workers import distributed_environment
 
@@ -124,16 +123,19 @@ def train(
     return {"grads": steps, "losses": losses}
 
 
+def without_shared_memory_op() -> None:
+    """Keep DeepSpeed from compiling its shared-memory all-reduce at start-up: a C++ build of
+    a minute on a fresh machine, for an op that only its inference all-reduce uses (training
+    reduces through torch.distributed, which these tests count)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def run(rank: int, world_size: int) -> dict[str, Any]:
     distributed_environment(rank, world_size)
     warnings.filterwarnings("ignore")
-    # DeepSpeed builds its shared-memory communication op on first use: one rank at a time.
-    from deepspeed.comm.torch import build_shm_op
-
-    for builder in range(world_size):
-        if rank == builder:
-            build_shm_op()
-        dist.barrier()
+    without_shared_memory_op()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     import deepspeed
 
@@ -157,6 +159,8 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
     # in a loop without lossweight and in the same loop with it.
     from deepspeed.comm import comms_logger
 
+    from lossweight.testing import count_collectives
+
     for stage in range(4):
         counted = {}
         for variant in ("deepspeed", "with_lossweight"):
@@ -171,6 +175,15 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
                 for name, sizes in comms_logger.comms_dict.items()
             }
             comms_logger.enabled = False
+        # Everything, lossweight's reductions included, as lossweight.testing counts it.
+        for variant in ("all_plain", "all_with_lossweight"):
+            engine = engine_for(base, stage)
+            with count_collectives() as seen:
+                if variant == "all_plain":
+                    plain_loop(engine, rank, WINDOWS[:2])
+                else:
+                    train(engine, rank, "engine", False, WINDOWS[:2], read=False)
+            counted[variant] = dict(seen.calls)
         outcome[f"zero{stage}/collectives"] = counted
     # Scaling after: windows of the accumulation steps, at stage 0.
     seen = train(engine_for(base, 0), rank, "engine", True, WINDOWS[:2])
@@ -248,17 +261,13 @@ def hf_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     whose forward takes the loss kwargs and one whose forward does not (transformers #45305):
     the step's gradient, read from the update of plain SGD, against the full batch."""
     distributed_environment(rank, world_size)
-    from deepspeed.comm.torch import build_shm_op
     from transformers import TrainingArguments
 
     from lossweight.integrations.hf import LossweightTrainer
 
     from . import integration_workers as hf
 
-    for builder in range(world_size):
-        if rank == builder:
-            build_shm_op()
-        dist.barrier()
+    without_shared_memory_op()
     rows = hf.hf_rows(world_size)
     models = hf.hf_models()
     outcome: dict[str, Any] = {}

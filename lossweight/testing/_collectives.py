@@ -93,7 +93,7 @@ class _Counting(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if any(cls is not torch.Tensor and issubclass(cls, torch.Tensor) for cls in types):
+        if any(_dispatches_itself(cls) for cls in types):
             # A tensor subclass (DTensor) dispatches the op itself, issuing its collectives on
             # plain tensors, which come back through this mode to be counted.
             return NotImplemented
@@ -102,6 +102,15 @@ class _Counting(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._counts.calls[name] += 1
             self._counts.bytes[name] += _input_bytes(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _dispatches_itself(cls: type) -> bool:
+    """Whether tensors of ``cls`` handle their ops in their own ``__torch_dispatch__``: not a
+    subclass that only adds Python behaviour (``nn.Parameter``, DeepSpeed's parameters)."""
+    return (
+        issubclass(cls, torch.Tensor)
+        and cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+    )
 
 
 def _function_name(func: torch._ops.OpOverload) -> str | None:
