@@ -253,6 +253,23 @@ def misuse(base: torch.nn.Module, rank: int) -> dict[str, str]:
         found["early_end"] = "accepted"
     except RuntimeError as error:
         found["early_end"] = str(error)
+    # A count-first loop that scales with backward_scale(i) (the engine's boundary is its own
+    # count then) over a short window of 2 microbatches of 3.
+    engine = engine_for(base, 2)
+    lw = DeepSpeedAccumulator(engine, loss_reduction="sum", weight_by="samples")
+    lw.begin(num_samples=[2, 1])
+    for microbatch, rows in enumerate([2, 1]):
+        x, y = data(0, rank, microbatch, rows)
+        loss = ((engine(x.float()).squeeze(-1).double() - y) ** 2).sum()
+        engine.backward(loss * lw.backward_scale(microbatch))
+        lw.record_loss(microbatch, loss)
+        if microbatch == 0:
+            engine.step()
+    try:
+        lw.end()
+        found["short_window_by_hand"] = "accepted"
+    except RuntimeError as error:
+        found["short_window_by_hand"] = str(error)
     return found
 
 

@@ -72,6 +72,7 @@ def test_scale_after_at_stage_0(runs: list[dict]) -> None:
         ),
         ("scale_after_zero2", "ZeRO stage 2 moves the gradients into its partitions"),
         ("early_end", "came before DeepSpeed's gradient accumulation boundary"),
+        ("short_window_by_hand", "came before DeepSpeed's gradient accumulation boundary"),
     ],
 )
 def test_misuse_is_refused(runs: list[dict], case: str, message: str) -> None:

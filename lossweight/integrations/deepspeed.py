@@ -23,6 +23,8 @@ last one of an epoch) is reduced and stepped as one optimizer step::
 Count first works at every ZeRO stage, with either backward call. Scaling after rescales the
 gradients once after the last backward, which only ZeRO stage 0 keeps in ``param.grad``: at
 stages 1 to 3 ``begin(parameters=...)`` is refused with an error that names count first.
+``end()`` before DeepSpeed's boundary is refused: a scale-after step, or a loop that scales
+with ``backward_scale(i)``, must have ``gradient_accumulation_steps`` microbatches.
 DeepSpeed clips the gradients in ``engine.step()`` (``gradient_clipping``, 1.0 unless the config
 says otherwise), after ``end()``: it clips the exact gradient.
 
@@ -99,16 +101,18 @@ class DeepSpeedAccumulator(Accumulator):
 
     def end(self, *, max_grad_norm: float | None = None) -> StepResult:
         """:meth:`Accumulator.end`, after the step's last backward and before its
-        ``engine.step()``. A scale-after step must end at DeepSpeed's accumulation boundary,
-        where the gradients are reduced."""
-        step = self.state.step
-        scaling_after = step is not None and step.mode == machine.SCALE_AFTER
-        if scaling_after and not self.engine.is_gradient_accumulation_boundary():
+        ``engine.step()``, which must be DeepSpeed's accumulation boundary: there it reduces
+        the gradients and steps. ``scale_loss()`` puts the boundary there in a count-first
+        step; a scale-after step, or a loop that scales with ``backward_scale(i)``, must have
+        ``gradient_accumulation_steps`` microbatches."""
+        if self.state.step is not None and not self.engine.is_gradient_accumulation_boundary():
+            every = self.engine.gradient_accumulation_steps()
             raise RuntimeError(
-                f"end() of scale-after step {self.state.steps} came before DeepSpeed's gradient "
-                "accumulation boundary, so the gradients are not reduced yet; end a scale-after "
-                f"step after the backward of every {self.engine.gradient_accumulation_steps()}th "
-                "microbatch (engine.is_gradient_accumulation_boundary() is true there), or count "
-                "first"
+                f"end() of step {self.state.steps} came before DeepSpeed's gradient accumulation "
+                "boundary, so DeepSpeed has not reduced this step's gradients, and would add "
+                "the next microbatches to them; end a step after the backward of its last "
+                "microbatch, where engine.is_gradient_accumulation_boundary() is true: count "
+                f"first with scale_loss(), which puts it there, or give each step {every} "
+                "microbatches"
             )
         return super().end(max_grad_norm=max_grad_norm)
