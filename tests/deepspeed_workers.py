@@ -67,7 +67,7 @@ def relative_error(got: list[torch.Tensor], expected: list[torch.Tensor]) -> flo
     )
 
 
-def engine_for(base: torch.nn.Module, stage: int, log_comms: bool = False) -> Any:
+def engine_for(base: torch.nn.Module, stage: int, log_comms: bool = False, **extra: Any) -> Any:
     import deepspeed
 
     config: dict[str, Any] = {
@@ -77,6 +77,7 @@ def engine_for(base: torch.nn.Module, stage: int, log_comms: bool = False) -> An
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": 0.0,  # DeepSpeed clips to 1.0 by default
     }
+    config.update(extra)
     if log_comms:  # DeepSpeed's own count of its collectives
         config["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False}
     net = copy.deepcopy(base)
@@ -92,13 +93,17 @@ def train(
     scale_after: bool,
     windows: list[list[list[int]]],
     read: bool = True,
+    undo: bool = True,
 ) -> dict[str, Any]:
     """The documented loop; each step's full gradient before its last ``engine.step()``."""
     from deepspeed.utils import safe_get_full_grad
 
+    from lossweight import Accumulator
     from lossweight.integrations.deepspeed import DeepSpeedAccumulator
 
     lw = DeepSpeedAccumulator(engine, loss_reduction="sum", weight_by="samples")
+    if not undo:  # a plain Accumulator, which does not undo the engine's division
+        lw = Accumulator(loss_reduction="sum", weight_by="samples")
     steps, losses = [], []
     for step, ranks in enumerate(windows):
         mine = ranks[rank]
@@ -136,6 +141,7 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
     distributed_environment(rank, world_size)
     warnings.filterwarnings("ignore")
     without_shared_memory_op()
+
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     import deepspeed
 
@@ -185,6 +191,19 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
                     train(engine, rank, "engine", False, WINDOWS[:2], read=False)
             counted[variant] = dict(seen.calls)
         outcome[f"zero{stage}/collectives"] = counted
+    # The engine summing the ranks' gradients (gradient_allreduce_op "sum"); a step abandoned
+    # after one backward, then the steps; a plain Accumulator, which leaves the division.
+    variants = {
+        "zero1/sum-allreduce": (engine_for(base, 1, gradient_allreduce_op="sum"), {}),
+        "zero0/after-abandon": (engine_for(base, 0), {}),
+        "zero2/not-undone": (engine_for(base, 2), {"undo": False}),
+    }
+    for name, (engine, options) in variants.items():
+        if name.endswith("after-abandon"):
+            abandon_one(engine, rank)
+        seen = train(engine, rank, "engine", False, WINDOWS[:2], **options)
+        pairs = zip(seen["grads"], expected[:2], strict=True)
+        outcome[name] = [relative_error(g, e) for g, e in pairs]
     # Scaling after: windows of the accumulation steps, at stage 0.
     seen = train(engine_for(base, 0), rank, "engine", True, WINDOWS[:2])
     outcome["zero0/scale-after"] = {
@@ -194,6 +213,24 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
     outcome["expected_losses"] = expected_losses(base, WINDOWS)
     outcome["misuse"] = misuse(base, rank)
     return outcome
+
+
+def abandon_one(engine: Any, rank: int) -> str:
+    """Abandon a step after one backward; then what the next begin() says ("accepted")."""
+    from lossweight.integrations.deepspeed import DeepSpeedAccumulator
+
+    lw = DeepSpeedAccumulator(engine, loss_reduction="sum", weight_by="samples")
+    lw.begin(num_samples=[2, 2, 2])
+    x, y = data(9, rank, 0, 2)
+    loss = ((engine(x.float()).squeeze(-1).double() - y) ** 2).sum()
+    engine.backward(lw.scale_loss(loss))
+    lw.abandon()
+    try:
+        lw.begin(num_samples=[1])
+        lw.abandon()
+        return "accepted"
+    except RuntimeError as error:
+        return str(error)
 
 
 def plain_loop(engine: Any, rank: int, windows: list[list[list[int]]]) -> None:
@@ -270,6 +307,16 @@ def misuse(base: torch.nn.Module, rank: int) -> dict[str, str]:
         found["short_window_by_hand"] = "accepted"
     except RuntimeError as error:
         found["short_window_by_hand"] = str(error)
+    found["abandoned_zero2"] = abandon_one(engine_for(base, 2), rank)
+    # The accumulation steps changed under the Accumulator (a batch-size ramp).
+    engine = engine_for(base, 1)
+    lw = DeepSpeedAccumulator(engine, loss_reduction="sum", weight_by="samples")
+    engine.set_train_batch_size(2 * 2)  # 2 ranks, 1 row a microbatch: 2 accumulation steps
+    try:
+        lw.begin(num_samples=[1, 1])
+        found["steps_changed"] = "accepted"
+    except ValueError as error:
+        found["steps_changed"] = str(error)
     return found
 
 

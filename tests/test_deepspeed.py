@@ -51,6 +51,21 @@ def test_deepspeeds_own_collectives_do_not_change(runs: list[dict], stage: int) 
         assert {name: n for name, n in added.items() if n} == seen["all_plain"], seen
 
 
+@pytest.mark.parametrize("case", ["zero1/sum-allreduce", "zero0/after-abandon"])
+def test_a_summing_engine_and_an_abandoned_step_stay_exact(runs: list[dict], case: str) -> None:
+    # gradient_allreduce_op "sum": the engine sums the ranks' gradients, and the Accumulator
+    # takes that from it. At stage 0, abandon() drops the step's partial gradients.
+    for rank in runs:
+        assert len(rank[case]) == 2 and max(rank[case]) < FP32, rank[case]
+
+
+def test_the_engines_division_left_in_place_is_visibly_wrong(runs: list[dict]) -> None:
+    # A plain Accumulator does not undo DeepSpeed's division by the 3 accumulation steps: the
+    # comparison tells right from wrong.
+    for rank in runs:
+        assert min(rank["zero2/not-undone"]) > 0.5, rank["zero2/not-undone"]
+
+
 def test_deepspeed_refuses_a_plain_backward_at_stage_0(runs: list[dict]) -> None:
     for rank in runs:
         assert "Direct calls to tensor.backward() are not supported" in rank["zero0/plain"]["error"]
@@ -73,6 +88,8 @@ def test_scale_after_at_stage_0(runs: list[dict]) -> None:
         ("scale_after_zero2", "ZeRO stage 2 moves the gradients into its partitions"),
         ("early_end", "came before DeepSpeed's gradient accumulation boundary"),
         ("short_window_by_hand", "came before DeepSpeed's gradient accumulation boundary"),
+        ("steps_changed", "the engine's gradient accumulation steps changed from 3 to 2"),
+        ("abandoned_zero2", "ZeRO stage 2 keeps that step's partial gradients"),
     ],
 )
 def test_misuse_is_refused(runs: list[dict], case: str, message: str) -> None:

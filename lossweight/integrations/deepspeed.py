@@ -20,7 +20,8 @@ last one of an epoch) is reduced and stepped as one optimizer step::
                 result = lw.end()
             engine.step()
 
-Count first works at every ZeRO stage, with either backward call. Scaling after rescales the
+Count first works at every ZeRO stage with ``engine.backward``, and with a plain backward at
+stages 1 to 3 (DeepSpeed refuses it at stage 0). Scaling after rescales the
 gradients once after the last backward, which only ZeRO stage 0 keeps in ``param.grad``: at
 stages 1 to 3 ``begin(parameters=...)`` is refused with an error that names count first.
 ``end()`` before DeepSpeed's boundary is refused: a scale-after step, or a loop that scales
@@ -42,6 +43,7 @@ import torch
 from .. import Accumulator, machine
 from ..accumulator import Count, Counts, StepContext
 from ..result import StepResult
+from ..weighting import GradReduction
 
 _ENGINE_DECIDES = ("framework_divides_loss_by", "grad_reduction")
 
@@ -60,9 +62,23 @@ class DeepSpeedAccumulator(Accumulator):
                     f"({engine.gradient_accumulation_steps()}) and averages the ranks' "
                     f"gradients; drop {name}"
                 )
+        if type(engine).__name__ == "PipelineEngine":
+            raise ValueError(
+                "DeepSpeedAccumulator got a PipelineEngine, whose train_batch() runs the whole "
+                "step itself; weight a pipeline's loss inside its loss function instead"
+            )
+        if getattr(engine, "sequence_parallel_size", 1) > 1:
+            raise ValueError(
+                f"DeepSpeedAccumulator does not support sequence parallelism yet "
+                f"(sequence_parallel_size={engine.sequence_parallel_size}): DeepSpeed averages "
+                "the gradients over the sequence-data-parallel group, not the world"
+            )
         steps = engine.gradient_accumulation_steps()
-        super().__init__(framework_divides_loss_by=steps, grad_reduction="mean", **options)
+        # gradient_allreduce_op "sum" makes the engine sum the ranks' gradients.
+        reduction: GradReduction = "mean" if getattr(engine, "gradient_average", True) else "sum"
+        super().__init__(framework_divides_loss_by=steps, grad_reduction=reduction, **options)
         self.engine = engine
+        self._stranded: int | None = None  # a step abandoned with gradients DeepSpeed keeps
 
     def begin(
         self,
@@ -72,7 +88,23 @@ class DeepSpeedAccumulator(Accumulator):
         parameters: Iterable[Any] | None = None,
         step: int | None = None,
     ) -> StepContext:
-        """:meth:`Accumulator.begin`; scaling after only at ZeRO stage 0."""
+        """:meth:`Accumulator.begin`; scaling after only at ZeRO stage 0. DeepSpeed's own
+        count of microbatches places the step's boundary until ``scale_loss()`` does."""
+        if self._stranded is not None:
+            raise RuntimeError(
+                f"step {self._stranded} was abandoned after its backward, and ZeRO stage "
+                f"{self.engine.zero_optimization_stage()} keeps that step's partial gradients, "
+                "which the next step would add to; restart from a checkpoint with a new engine "
+                "and DeepSpeedAccumulator, or end() a step instead of abandoning it"
+            )
+        steps = self.engine.gradient_accumulation_steps()
+        if steps != self.options.framework_divides_loss_by:
+            raise ValueError(
+                f"the engine's gradient accumulation steps changed from "
+                f"{self.options.framework_divides_loss_by:g} to {steps} "
+                "(set_train_batch_size()); make a new DeepSpeedAccumulator for the engine, and "
+                "load this one's state_dict() into it"
+            )
         stage = self.engine.zero_optimization_stage()
         if parameters is not None and stage > 0:
             raise ValueError(
@@ -80,9 +112,11 @@ class DeepSpeedAccumulator(Accumulator):
                 "gradients into its partitions during the backward, where end() cannot rescale "
                 "them; count first: begin(num_tokens=[...]) with every microbatch's count"
             )
-        return super().begin(
+        context = super().begin(
             num_samples=num_samples, num_tokens=num_tokens, parameters=parameters, step=step
         )
+        self.engine.set_gradient_accumulation_boundary(None)  # a boundary left by a step before
+        return context
 
     def scale_loss(
         self,
@@ -93,6 +127,11 @@ class DeepSpeedAccumulator(Accumulator):
     ) -> torch.Tensor:
         """:meth:`Accumulator.scale_loss`; counting first, it also tells the engine whether
         this microbatch ends the step, where DeepSpeed reduces and steps."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "DeepSpeedAccumulator.scale_loss() runs eagerly: it tells the engine where the "
+                "step ends, which a compiled graph cannot; compile the model, not scale_loss()"
+            )
         scaled = super().scale_loss(loss, num_samples=num_samples, num_tokens=num_tokens)
         step = self.state.step
         if step is not None and step.mode == machine.COUNT_FIRST:
@@ -116,3 +155,18 @@ class DeepSpeedAccumulator(Accumulator):
                 "microbatches"
             )
         return super().end(max_grad_norm=max_grad_norm)
+
+    def abandon(self) -> None:
+        """:meth:`Accumulator.abandon`. At ZeRO stage 0 the step's gradients are dropped too
+        (``engine.optimizer.zero_grad()``). At stages 1 to 3, once a microbatch went through
+        ``scale_loss()``, DeepSpeed holds part of the step's gradients where they cannot be
+        dropped, and would add them to the next step's: the next ``begin()`` refuses."""
+        step = self.state.step
+        super().abandon()
+        if step is None:
+            return
+        self.engine.set_gradient_accumulation_boundary(None)
+        if self.engine.zero_optimization_stage() == 0:
+            self.engine.optimizer.zero_grad()
+        elif step.scaled or step.factored:
+            self._stranded = step.number
