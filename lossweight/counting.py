@@ -178,9 +178,9 @@ def aggregate(
     )
     targets = mask != 0
     starts = _sequence_starts(targets, position_ids, cu_seqlens, name="mask")
-    sizes, first = _sequences(targets, starts)
+    sizes, first = _sequences(targets, starts, sizes=mode == "seq-mean-token-mean")
     losses = token_losses.to(torch.promote_types(token_losses.dtype, torch.float32))
-    if mode == "seq-mean-token-mean":
+    if sizes is not None:
         losses = losses / sizes.clamp(min=1)
     elif norm:
         losses = losses / max_length  # type: ignore[operator]
@@ -189,23 +189,30 @@ def aggregate(
     return total, (targets if mode == "token-mean" else first).sum()
 
 
-def _sequences(targets: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """At each position: how many targets its sequence has, and whether it is its sequence's
-    first target. ``starts`` marks where the sequences of a packed row begin."""
+def _sequences(
+    targets: torch.Tensor, starts: torch.Tensor, sizes: bool = False
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """At each position: how many targets its sequence has (with ``sizes``, else None), and
+    whether it is its sequence's first target. ``starts`` marks where the sequences of a packed
+    row begin."""
     if targets.shape[-1] == 0:
-        return targets.to(torch.int64), targets
+        return (targets.to(torch.int64) if sizes else None), targets
     running = targets.to(torch.int64).cumsum(dim=-1)
     starts = starts.clone()
     starts[..., 0] = True  # a row begins a sequence, whatever its position ids say
     # The running count before the position's sequence began: cummax carries the latest start's
-    # forward, since the running count never decreases. Likewise, from the row's end, cummin
-    # carries back the count at the sequence's last position (the one before the next start).
+    # forward, since the running count never decreases.
     before = torch.where(starts, running - targets.to(torch.int64), 0).cummax(dim=-1).values
+    first = targets & (running - before == 1)
+    if not sizes:
+        return None, first
+    # From the row's end, cummin carries back the count at the sequence's last position (the
+    # one before the next start).
     ends = starts.roll(-1, dims=-1)
     ends[..., -1] = True
     unreached = torch.iinfo(torch.int64).max
     after = torch.where(ends, running, unreached).flip(-1).cummin(dim=-1).values.flip(-1)
-    return after - before, targets & (running - before == 1)
+    return after - before, first
 
 
 def _targets(

@@ -90,6 +90,7 @@ def test_scale_after_at_stage_0(runs: list[dict]) -> None:
         ("short_window_by_hand", "came before DeepSpeed's gradient accumulation boundary"),
         ("steps_changed", "the engine's gradient accumulation steps changed from 3 to 2"),
         ("abandoned_zero2", "ZeRO stage 2 keeps that step's partial gradients"),
+        ("compiled", "DeepSpeedAccumulator.scale_loss() runs eagerly"),
     ],
 )
 def test_misuse_is_refused(runs: list[dict], case: str, message: str) -> None:
