@@ -143,7 +143,7 @@ class _LoggedStep:
         for _ in self.counts:
             self.acc.scale_loss(self.loss)
         result = self.acc.end()
-        logged = result if self.acc.loss_logging == "end" else self.previous
+        logged = result if self.acc.options.loss_logging == "end" else self.previous
         if logged is not None:
             self.logged = logged.loss
         self.previous = result

@@ -74,6 +74,15 @@ def targets(results: dict[int, dict], overhead: dict) -> list[str]:
                 f"{r['host_reads_per_step']:g} host syncs/step (target 0: "
                 f"{'met' if r['host_reads_per_step'] == 0 else 'not met'})"
             )
+        one = variants["lossweight count-first"]
+        for name in ("lossweight count-first, 2 terms", "lossweight count-first, 4 terms"):
+            r = variants[name]
+            collectives = sum(r["collectives_per_step"].values())
+            report.append(
+                f"{world_size} rank(s), {name}: {collectives:g} collective(s)/step (target 1: "
+                f"{'met' if collectives == 1 else 'not met'}) of {r['bytes_per_step']:g} bytes; "
+                f"median step {r['median_ms'] / one['median_ms']:.3f} of the one-term step's"
+            )
     return report
 
 

@@ -29,6 +29,9 @@ collectives, syncs and gradient passes listed in the project's notes), not their
   again as an A/A control, whose ratio to the baseline is the noise of the measurement;
 - ``lossweight count-first``: ``Accumulator`` with ``loss_logging="next_step"`` (the loss
   of each step rides on the next step's count reduction);
+- ``lossweight count-first, 2 terms`` and ``4 terms``: the same, with the loss split into
+  terms of their own normalisers (tokens, sequences, a float weight sum, a constant): one
+  collective per step still, and a payload 32 bytes longer per term;
 - ``lossweight count-first, loss in end()``: the default ``loss_logging="end"`` (one more
   all-reduce, started by ``end()``, so the loss is ready when the step ends);
 - ``lossweight scale-after``: ``Accumulator`` with counts given per microbatch;

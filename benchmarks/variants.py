@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lossweight import Accumulator, count_tokens, token_cross_entropy
+from lossweight import Accumulator, Term, count_tokens, token_cross_entropy
 
 from .workload import token_mean_loss
 
@@ -122,6 +122,54 @@ class ScaleAfter(Variant):
         return self.acc.end().loss
 
 
+class CountFirstTerms(Variant):
+    """Count first with ``loss_logging="next_step"``, the loss split into several terms of
+    their own normalisers: the LM loss per token, then a mean per sequence, a sum over float
+    weights, and a sum over a constant, each a small multiple of the LM loss."""
+
+    terms = 2
+
+    def __init__(self, model):
+        super().__init__(model)
+        kinds = [Term("lm", "sum"), Term("aux", "mean", "samples"), Term("kl", "sum", "weight_sum")]
+        self.acc = Accumulator(
+            terms=[*kinds, Term("dr", "sum", 1e4)][: self.terms], loss_logging="next_step"
+        )
+        self.previous = None
+
+    def step(self, microbatches):
+        counts = [count_tokens(labels, shift=True) for _, labels in microbatches]
+        rows = [len(labels) for _, labels in microbatches]
+        weights = [count.to(torch.float64) * 0.5 for count in counts]
+        given = {"num_tokens": counts, "num_samples": rows, "weight_sum": weights}
+        names = ("num_tokens", "num_samples", "weight_sum")[: min(self.terms, 3)]
+        self.acc.begin(**{name: given[name] for name in names})
+        logged = (
+            self.previous.loss
+            if self.previous is not None
+            else torch.zeros((), dtype=torch.float64)
+        )
+
+        def scaled(loss_sum, count, labels):
+            losses = {"lm": loss_sum, "aux": loss_sum * 1e-3 / len(labels)}
+            losses |= {"kl": loss_sum * 5e-4, "dr": loss_sum * 1e-3}
+            return self.acc.scale_loss({t.name: losses[t.name] for t in self.acc.options.terms})
+
+        self.backward_all(microbatches, scaled)
+        self.previous = self.acc.end()
+        return logged
+
+
+class CountFirstTwoTerms(CountFirstTerms):
+    name = "lossweight count-first, 2 terms"
+    terms = 2
+
+
+class CountFirstFourTerms(CountFirstTerms):
+    name = "lossweight count-first, 4 terms"
+    terms = 4
+
+
 class HFTrainerPattern(Variant):
     name = "HF Trainer pattern"
 
@@ -179,6 +227,8 @@ VARIANTS = [
     Baseline,
     BaselineAgain,
     CountFirst,
+    CountFirstTwoTerms,
+    CountFirstFourTerms,
     CountFirstLossInEnd,
     ScaleAfter,
     HFTrainerPattern,

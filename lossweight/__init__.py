@@ -20,6 +20,7 @@ from .counting import (
 )
 from .errors import DisagreementError
 from .result import StepResult
+from .terms import Term
 
 __all__ = [
     "Accumulator",
@@ -27,6 +28,7 @@ __all__ = [
     "DisagreementError",
     "StepContext",
     "StepResult",
+    "Term",
     "Waitable",
     "aggregate",
     "count_sequences",

@@ -4,12 +4,13 @@ tensors of the mode (:mod:`lossweight.steps`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, cast
 
 import torch
@@ -20,12 +21,14 @@ from .collectives import Collective, CollectiveResolver
 from .errors import device_message, error
 from .result import PendingLoss, StepResult
 from .steps import CountFirst, ScaleAfter, accelerator_of
+from .terms import ARGUMENTS, COUNTS, Layout, Options, Term, terms_of
 from .weighting import GradReduction, LossReduction
 
-WeightBy = Literal["samples", "tokens"]
+WeightBy = Literal["samples", "tokens", "weight_sum"]
 LossLogging = Literal["end", "next_step"]
-Count = int | torch.Tensor
+Count = int | float | torch.Tensor
 Counts = torch.Tensor | Sequence[Count]
+Losses = torch.Tensor | Mapping[str, torch.Tensor]
 _STATE_FORMAT = 1
 F = TypeVar("F", bound=Callable[..., Any])
 # The open scale-after steps of this process: end() rescales every gradient of their
@@ -70,7 +73,10 @@ class Accumulator:
 
     Args:
         loss_reduction: whether each loss is the ``"mean"`` or the ``"sum"`` of its items'.
-        weight_by: which count weights a microbatch: ``"tokens"`` or ``"samples"``.
+        weight_by: what normalises the loss: ``"tokens"`` (the default), ``"samples"``,
+            ``"weight_sum"`` (a sum of float weights), or a constant (a positive number).
+        terms: instead of those two, several loss terms, a list of :class:`Term` (then
+            ``scale_loss({"lm": lm, "aux": aux})``; ``result.losses``, each term's loss).
         grad_reduction: how the data-parallel wrapper combines the ranks' gradients:
             ``"mean"`` (DDP, FSDP), ``"sum"``, or the number it divides their sum by.
         group: the data-parallel process group (default: the default group, at each begin()).
@@ -83,13 +89,15 @@ class Accumulator:
 
     Attributes:
         state: the step machine's :class:`lossweight.machine.State`, a frozen value.
+        options: the options, with the terms, as a frozen value.
     """
 
     def __init__(
         self,
         *,
         loss_reduction: LossReduction | None = None,
-        weight_by: WeightBy = "tokens",
+        weight_by: WeightBy | float | None = None,
+        terms: Sequence[Term] | None = None,
         grad_reduction: GradReduction | float = "mean",
         group: dist.ProcessGroup | None = None,
         collective: Collective | None = None,
@@ -97,16 +105,12 @@ class Accumulator:
         weight_estimate: float = 1.0,
         framework_divides_loss_by: float = 1,
     ) -> None:
-        if loss_reduction is None:
-            raise error("no_loss_reduction")
-        self.options = terms.Options(
-            loss_reduction, weight_by, grad_reduction, loss_logging, weight_estimate,
-            framework_divides_loss_by,
+        self.options = Options(
+            terms_of(loss_reduction, weight_by, terms), grad_reduction, loss_logging,
+            weight_estimate, framework_divides_loss_by,
         )  # fmt: skip
-        self.weight_by, self.loss_reduction = weight_by, loss_reduction
-        self.grad_reduction, self.loss_logging = grad_reduction, loss_logging
-        self.layout = terms.Layout(self.options.terms)
-        self.state = machine.State(weight_by, loss_logging)
+        self.layout = Layout(self.options.terms)
+        self.state = machine.State(self.options.weight_by, loss_logging)
         self._resolver = CollectiveResolver(group, collective)
         self._tensors: CountFirst | ScaleAfter | None = None
         self._collective: Collective | None = None
@@ -129,18 +133,20 @@ class Accumulator:
         *,
         num_samples: Counts | None = None,
         num_tokens: Counts | None = None,
+        weight_sum: Counts | None = None,
         parameters: Iterable[Any] | None = None,
         step: int | None = None,
     ) -> StepContext:
         """Open a step on every rank. Count first: this rank's counts, one per microbatch (a
-        1-D integer tensor or a sequence of ints or 0-dim tensors; the ``weight_by`` one is
-        required); its all-reduce starts here. Scale after: the ``parameters`` whose gradients
-        ``end()`` rescales (None or zero now): a module, an optimizer, or tensors. ``step``:
-        the loop's own step number, the same on every rank (default: ``steps + 1``), so that a
-        rank that skips an iteration is caught at once. ``with acc.begin(...):`` abandons on
-        an error."""
-        counts, params = _opening(num_samples, num_tokens, parameters, self.weight_by)
-        declared = len(counts[self.weight_by]) if counts is not None else 0
+        1-D tensor, or a sequence of numbers or 0-dim tensors; integers, but floats for
+        ``weight_sum``; those that normalise a term are required); its all-reduce starts here.
+        Scale after: the ``parameters`` whose gradients ``end()`` rescales (None or zero now):
+        a module, an optimizer, or tensors. ``step``: the loop's own step number, the same on
+        every rank (default: ``steps + 1``), so that a rank that skips an iteration is caught at
+        once. ``with acc.begin(...):`` abandons on an error."""
+        given = {"samples": num_samples, "tokens": num_tokens, "weight_sum": weight_sum}
+        counts, params = _opening(given, parameters, self.options)
+        declared = next((len(c) for c in counts.values() if c is not None), 0) if counts else 0
         state = machine.begin(self.state, counts is not None, declared, step)
         collective = self._resolver.resolve()
         divisor = self._flight.adopt(collective)
@@ -160,57 +166,61 @@ class Accumulator:
     @_exclusive
     def scale_loss(
         self,
-        loss: torch.Tensor,
+        loss: Losses,
         *,
         num_samples: Count | None = None,
         num_tokens: Count | None = None,
+        weight_sum: Count | None = None,
     ) -> torch.Tensor:
-        """``loss`` (a 0-dim tensor, its items' mean or sum) times the next microbatch's factor,
-        ready for ``backward()``; scaling after, with its counts. A microbatch of weight 0 adds
-        exactly nothing: its loss (a NaN of 0/0 included) reaches no gradient and no log."""
-        _check_loss(loss)
-        given, tensors = (num_samples is not None, num_tokens is not None), self._tensors
+        """``loss`` (a 0-dim tensor, its items' mean or sum; a dict of one per term) times the
+        next microbatch's factor (summed over the terms), ready for ``backward()``; scaling
+        after, with its counts. A microbatch of weight 0 adds exactly nothing to a term: its
+        loss (a NaN of 0/0 included) reaches no gradient and no log."""
+        losses = _losses(loss, self.options.terms)
+        given = (num_samples is not None, num_tokens is not None, weight_sum is not None)
+        tensors = self._tensors
         scaling_after = isinstance(tensors, ScaleAfter)
         # Never in a graph: dynamo would guard on the set, and a graph has no autograd graph.
         if not torch.compiler.is_compiling() and len(_SCALING_AFTER) > scaling_after:
-            _not_into_another_step(loss, tensors)
+            _not_into_another_step(losses, tensors)
         if isinstance(tensors, ScaleAfter):
-            counts = {"samples": num_samples, "tokens": num_tokens}
-            checked = {n: c if c is None else _counts(f"num_{n}", c, 0) for n, c in counts.items()}
+            counts = {"samples": num_samples, "tokens": num_tokens, "weight_sum": weight_sum}
+            checked = {n: c if c is None else _counts(n, c, 0) for n, c in counts.items()}
             state, _ = machine.scale(self.state, given, traced=False)
-            scaled = tensors.scale(loss, checked)
+            scaled = tensors.scale(losses, checked)
         elif torch.compiler.is_compiling() and tensors is not None and not any(given):
             start = machine.trace(self.state)
-            return tensors.scale_traced(loss, start)
+            return tensors.scale_traced(losses, start)
         else:  # count first, or no step: the machine says which
             traced = tensors is not None and tensors.cursor is not None
             state, index = machine.scale(self.state, given, traced)
             assert tensors is not None
-            scaled = tensors.scale(loss, index, state.steps)
+            scaled = tensors.scale(losses, index, state.steps)
         self.state = state
         return scaled
 
     @_exclusive
     def backward_scale(self, microbatch: int | None = None) -> torch.Tensor:
-        """A count-first factor, ``w * D / W`` (mean losses) or ``D / W`` (sums), as float64.
-        ``backward_scale(i)`` gives microbatch ``i`` its factor, for a loop that multiplies the
-        loss itself (then :meth:`record_loss`); ``backward_scale()`` reads the next one."""
+        """A count-first factor, ``w * D / W`` (mean losses) or ``D / W`` (sums), float64, one
+        per term if several. ``backward_scale(i)`` gives microbatch ``i`` its factor, for a loop
+        that multiplies the loss itself (then :meth:`record_loss`); ``()``, the next one's."""
         self.state, index = machine.factor(self.state, microbatch, self._traced)
         tensors = self._tensors
         assert isinstance(tensors, CountFirst)
-        # None: the next microbatch of a compiled step, whose position is a tensor.
-        if index is None and (index := int(tensors.cursor or 0)) >= tensors.size:
-            raise error("no_next", declared=tensors.size, step=self.state.steps)
-        return tensors.factors()[index]
+        if index is None:  # the next microbatch of a compiled step, whose position is a tensor
+            index = int(tensors.cursor or 0)
+            if index >= tensors.size:
+                raise error("no_next", declared=tensors.size, step=self.state.steps)
+        return tensors.factor(index)
 
     @_exclusive
-    def record_loss(self, microbatch: int, loss: torch.Tensor) -> None:
-        """Hand over the loss that ``backward_scale(microbatch)`` multiplied, for the logged
-        loss (a detached copy is kept)."""
-        _check_loss(loss)
+    def record_loss(self, microbatch: int, loss: Losses) -> None:
+        """Hand over the loss that ``backward_scale(microbatch)`` multiplied (a dict of one per
+        term, as for :meth:`scale_loss`), for the logged loss (a detached copy is kept)."""
+        losses = _losses(loss, self.options.terms)
         self.state, index = machine.record(self.state, microbatch)
         assert isinstance(self._tensors, CountFirst)
-        self._tensors.record(index, loss)
+        self._tensors.record(index, losses)
 
     @_exclusive
     def end(self, *, max_grad_norm: float | None = None) -> StepResult:
@@ -269,7 +279,7 @@ class Accumulator:
         estimate = estimate if isinstance(estimate, float) else estimate.item()
         estimate = estimate if math.isfinite(estimate) else self.options.weight_estimate
         state = {"format": _STATE_FORMAT, "steps": self.state.steps, "weight_estimate": estimate}
-        return {**state, "options": {name: getattr(self.options, name) for name in terms.OPTIONS}}
+        return {**state, "options": _saved(self.options)}
 
     @_exclusive
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -283,7 +293,8 @@ class Accumulator:
     def __getstate__(self) -> dict[str, Any]:
         if self._resolver.explicit:
             raise error("not_picklable")
-        options = {name: getattr(self.options, name) for name in self.options.__dataclass_fields__}
+        fields = dataclasses.fields(self.options)
+        options = {f.name: getattr(self.options, f.name) for f in fields if f.init}
         return {"options": options, "state": self.state_dict()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -301,7 +312,7 @@ class _InFlight:
     not yet checked, a count-first step's loss that waits (``loss_logging="next_step"``) for
     the next one to carry it, and the ``W`` the next scale-after step assumes."""
 
-    def __init__(self, options: terms.Options, layout: terms.Layout) -> None:
+    def __init__(self, options: Options, layout: Layout) -> None:
         self.options, self.layout, self.default = options, layout, float(options.weight_estimate)
         self.world: tuple[int, float, tuple[int, ...]] = (0, 1.0, ())
         self.unsettled: list[payload.Reduction] = []
@@ -390,8 +401,8 @@ class _InFlight:
         own: torch.Tensor | None = None,
     ) -> payload.Reduction:
         """A reduction of loss sums alone: a count-first step's own, or the one that waits."""
-        losses = {("loss", False): own, ("loss", True): self.carried}
-        flags = {name: (False, False) for name in self.layout.reported}
+        losses = {False: own, True: self.carried}
+        flags = {name: (False, False) for name in COUNTS}
         reduction = payload.Reduction(collective, self.layout, codes, device, {}, flags, losses)
         self.add(reduction)
         return reduction
@@ -440,7 +451,13 @@ _SHAPES = (  # what a count tensor with the wrong number of dims is told, by the
 )
 
 
-def _host_count(name: str, value: object) -> int:
+def _host_count(name: str, value: object) -> int | float:
+    if name.startswith("weight_sum"):  # a sum of float weights: any finite number, 0 or more
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise error("not_a_weight", name=name, value=value)
+        if not (terms.finite(value) and value >= 0):  # type: ignore[operator]
+            raise error("bad_weight", name=name, value=value)
+        return float(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise error("not_integer", name=name, value=value)
     if (count := int(value)) < 0:
@@ -451,10 +468,18 @@ def _host_count(name: str, value: object) -> int:
 
 
 def _tensor_counts(name: str, counts: torch.Tensor, dim: int) -> torch.Tensor:
-    """An int64 copy on the counts' device, checked there without a host read (on the CPU a
-    bad count raises at once; on an accelerator at the next sync)."""
+    """An int64 (float64 for a weight sum) copy on the counts' device, checked there without
+    a host read (on the CPU a bad count raises at once; on an accelerator at the next sync)."""
     if counts.dim() != dim:
         raise error("count_shape", name=name, shape=tuple(counts.shape), rule=_SHAPES[dim])
+    if name.startswith("weight_sum"):
+        if counts.is_complex() or counts.dtype == torch.bool:
+            raise error("not_a_weight", name=name, value=counts)
+        weights = counts.detach().to(torch.float64, copy=True)
+        valid = (weights >= 0) & weights.isfinite()
+        flag = valid if valid.dim() == 0 else valid.all()
+        _torch.assert_true(flag, device_message("weight_range", name=name))
+        return weights
     if counts.dtype in (torch.uint16, torch.uint32, torch.uint64):
         raise error("wide_unsigned", name=name, dtype=counts.dtype)
     if counts.dtype not in _COUNT_DTYPES:
@@ -466,54 +491,77 @@ def _tensor_counts(name: str, counts: torch.Tensor, dim: int) -> torch.Tensor:
     return copied
 
 
-def _counts(name: str, value: object, dim: int) -> Any:
-    """A microbatch's count (``dim`` 0), or a step's, one per microbatch (``dim`` 1): Python ints
-    stay on the host, anything with a tensor in it becomes an int64 tensor (a copy)."""
+def _counts(count: str, value: object, dim: int) -> Any:
+    """A microbatch's count (``dim`` 0), or a step's, one per microbatch (``dim`` 1): Python
+    numbers stay on the host, anything with a tensor in it becomes a tensor (a copy)."""
+    name = ARGUMENTS[count]
     if isinstance(value, torch.Tensor):
         return _tensor_counts(name, value, dim)
     if dim == 0:
         return _host_count(name, value)
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise error("not_a_sequence", name=name, value=value)
-    if not any(isinstance(count, torch.Tensor) for count in value):
-        return [_host_count(f"{name}[{index}]", count) for index, count in enumerate(value)]
+    if not any(isinstance(item, torch.Tensor) for item in value):
+        return [_host_count(f"{name}[{index}]", item) for index, item in enumerate(value)]
     tensors = []
-    for index, count in enumerate(value):
-        if not isinstance(count, torch.Tensor):
-            count = torch.tensor(_host_count(f"{name}[{index}]", count))
-        elif count.dim() != 0 or count.dtype not in _COUNT_DTYPES:
-            _tensor_counts(f"{name}[{index}]", count, 0)  # raises what is wrong
-        tensors.append(count)
-    device = accelerator_of(f"the tensors in {name}", (count.device for count in tensors))
-    stacked = torch.stack([count.to(device, torch.int64, non_blocking=True) for count in tensors])
+    for index, item in enumerate(value):
+        if not isinstance(item, torch.Tensor):
+            item = torch.tensor(_host_count(f"{name}[{index}]", item))
+        elif item.dim() != 0 or (count in terms.INTEGER and item.dtype not in _COUNT_DTYPES):
+            _tensor_counts(f"{name}[{index}]", item, 0)  # raises what is wrong
+        tensors.append(item)
+    device = accelerator_of(f"the tensors in {name}", (t.device for t in tensors))
+    dtype = torch.int64 if count in terms.INTEGER else torch.float64
+    stacked = torch.stack([t.to(device, dtype, non_blocking=True) for t in tensors])
     return _tensor_counts(name, stacked, 1)
 
 
 def _opening(
-    samples: object, tokens: object, parameters: object, weight_by: str
+    given: Mapping[str, object], parameters: object, options: Options
 ) -> tuple[dict[str, Any] | None, list[torch.Tensor]]:
     """What ``begin()`` opens: a count-first step's counts, or a scale-after step's parameters."""
-    if samples is None and tokens is None:
+    if all(count is None for count in given.values()):
         if parameters is None:
-            raise error("neither", weight_by=weight_by)
+            raise error("neither", argument=ARGUMENTS[options.weight_by])
+        if not options.rescalable:
+            needed = ", ".join(f"{ARGUMENTS[c]}" for c in options.counts) or "num_tokens"
+            shown = ", ".join(map(str, options.terms))
+            raise error("scale_after_terms", terms=shown, arguments=needed)
         return None, _parameter_list(parameters)
     if parameters is not None:
         raise error("counts_and_parameters")
-    given = {"samples": samples, "tokens": tokens}
-    if given[weight_by] is None:
-        raise error("weight_missing", name=f"num_{weight_by}", weight_by=weight_by)
-    counts = {n: c if c is None else _counts(f"num_{n}", c, 1) for n, c in given.items()}
-    samples, tokens = counts["samples"], counts["tokens"]
-    if samples is not None and tokens is not None and len(samples) != len(tokens):
-        raise error("lengths_differ", samples=len(samples), tokens=len(tokens))
+    for count in options.counts:
+        if given[count] is None:
+            weighted = next(t.name for t in options.terms if t.count == count)
+            raise error("weight_missing", name=ARGUMENTS[count], term=weighted, weight_by=count)
+    counts = {n: c if c is None else _counts(n, c, 1) for n, c in given.items()}
+    lengths = {ARGUMENTS[n]: len(c) for n, c in counts.items() if c is not None}
+    if len(set(lengths.values())) > 1:
+        raise error("lengths_differ", lengths=lengths)
     return counts, []
 
 
-def _not_into_another_step(loss: torch.Tensor, own: object) -> None:
+def _losses(loss: object, terms_: tuple[Term, ...]) -> tuple[torch.Tensor, ...]:
+    """The losses of a microbatch, one per term, in the terms' order, each checked."""
+    if len(terms_) == 1 and not isinstance(loss, dict):  # a one-term dict is taken too
+        _check_loss(loss)
+        return (loss,)  # type: ignore[return-value]
+    names = [term.name for term in terms_]
+    if not isinstance(loss, Mapping) or set(loss) != set(names):
+        given = f"losses for {sorted(loss)}" if isinstance(loss, Mapping) else "one loss"
+        example = "{" + ", ".join(f"{name!r}: {name}_loss" for name in names) + "}"
+        raise error("loss_names", given=given, names=names, example=example)
+    losses = tuple(loss[name] for name in names)
+    for value in losses:
+        _check_loss(value)
+    return losses
+
+
+def _not_into_another_step(losses: tuple[torch.Tensor, ...], own: object) -> None:
     """Refuse a loss whose backward reaches the parameters of another Accumulator's open
     scale-after step: that step's end() would rescale its gradient too."""
     for step in _SCALING_AFTER:
-        if step is not own and _torch.reaches(loss, step.parameters):
+        if step is not own and any(_torch.reaches(loss, step.parameters) for loss in losses):
             raise error("into_another_step")
 
 
@@ -561,7 +609,14 @@ def _parameter_list(parameters: object) -> list[torch.Tensor]:
     return list(found.values())
 
 
-def _checked_state(state_dict: object, options: terms.Options) -> tuple[int, float]:
+def _saved(options: Options) -> dict[str, Any]:
+    """The options a state is saved with, as plain values."""
+    described = [[term.name, term.loss_reduction, term.weight_by] for term in options.terms]
+    chosen = {name: getattr(options, name) for name in terms.OPTIONS[2:]}
+    return {"weight_by": options.weight_by, "terms": described, **chosen}
+
+
+def _checked_state(state_dict: object, options: Options) -> tuple[int, float]:
     expected = {"format", "steps", "weight_estimate", "options"}
     if not isinstance(state_dict, dict) or set(state_dict) != expected:
         keys = sorted(state_dict) if isinstance(state_dict, dict) else state_dict
@@ -570,9 +625,12 @@ def _checked_state(state_dict: object, options: terms.Options) -> tuple[int, flo
         raise error("state_format", value=state_dict["format"], format=_STATE_FORMAT)
     if not isinstance(saved := state_dict["options"], dict):
         raise error("state_options", value=saved)
-    for name in ("weight_by",):  # the rest is configuration, which a resumed run may change
-        if saved.get(name) != (value := getattr(options, name)):
-            raise error("state_option", name=name, saved=saved.get(name), value=value)
+    # The saved estimate of W counts the items of weight_by; the rest is configuration, which
+    # a resumed run may change.
+    if saved.get("weight_by") != options.weight_by:
+        raise error(
+            "state_option", name="weight_by", saved=saved.get("weight_by"), value=options.weight_by
+        )
     steps, estimate = state_dict["steps"], state_dict["weight_estimate"]
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise error("state_steps", value=steps)

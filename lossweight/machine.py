@@ -17,7 +17,7 @@ import operator
 from typing import NamedTuple, TypeVar
 
 from .errors import error
-from .terms import COUNTS
+from .terms import ARGUMENTS, COUNTS
 
 COUNT_FIRST, SCALE_AFTER = "count_first", "scale_after"
 T = TypeVar("T", bound=tuple[object, ...])
@@ -32,8 +32,8 @@ _OPEN = {
 class Step(NamedTuple):
     """The open step: ``declared``, the microbatches a count-first ``begin()`` declared;
     ``scaled``, those ``scale_loss()`` took in eager code; ``factored`` and ``recorded``, those
-    ``backward_scale(i)`` and ``record_loss(i, ...)`` took; ``given``, which counts (samples,
-    tokens) a scale-after step's microbatches give."""
+    ``backward_scale(i)`` and ``record_loss(i, ...)`` took; ``given``, which counts (in the
+    order of :data:`lossweight.terms.COUNTS`) a scale-after step's microbatches give."""
 
     number: int
     mode: str
@@ -41,7 +41,7 @@ class Step(NamedTuple):
     scaled: int = 0
     factored: frozenset[int] = frozenset()
     recorded: frozenset[int] = frozenset()
-    given: tuple[bool, bool] | None = None
+    given: tuple[bool, ...] | None = None
 
     @property
     def unrecorded(self) -> list[int]:
@@ -83,13 +83,13 @@ def begin(state: State, count_first: bool, declared: int = 0, number: object = N
     return state._replace(steps=step.number, step=step, pending=state.pending and not count_first)
 
 
-def scale(state: State, given: tuple[bool, bool], traced: bool) -> tuple[State, int | None]:
+def scale(state: State, given: tuple[bool, ...], traced: bool) -> tuple[State, int | None]:
     """``scale_loss()`` given these counts: the next state, and the microbatch it takes (None
     where the device counts them)."""
     step = open_step(state, "scale_loss")
     if step.mode == SCALE_AFTER:
         if not given[COUNTS.index(state.weight_by)]:
-            raise error("weight_missing_here", name=f"num_{state.weight_by}")
+            raise error("weight_missing_here", name=ARGUMENTS[state.weight_by])
         if step.given is not None and given != step.given:
             now, before = _names(given), _names(step.given)
             raise error("counts_differ", now=now, number=step.scaled + 1, before=before)
@@ -177,7 +177,7 @@ def idle(state: State, caller: str) -> None:
 def open_step(state: State, caller: str) -> Step:
     if state.step is None:
         when = f"after step {state.steps} was closed" if state.steps else "before the first begin()"
-        raise error("no_step", caller=caller, when=when, weight_by=state.weight_by)
+        raise error("no_step", caller=caller, when=when, argument=ARGUMENTS[state.weight_by])
     return state.step
 
 
@@ -200,6 +200,6 @@ def _index(step: Step, caller: str, microbatch: object) -> int:
     return index
 
 
-def _names(given: tuple[bool, bool]) -> str:
-    names = [f"num_{name}" for name, on in zip(COUNTS, given, strict=True) if on]
+def _names(given: tuple[bool, ...]) -> str:
+    names = [ARGUMENTS[name] for name, on in zip(COUNTS, given, strict=True) if on]
     return " and ".join(names) or "no counts"

@@ -20,7 +20,7 @@ import torch
 from . import _torch, terms
 from .collectives import Collective, Waitable, start_all_reduce
 from .errors import device_message, error
-from .terms import COUNTS, FIELDS, Layout
+from .terms import ARGUMENTS, COUNTS, FIELDS, Layout
 
 LIMB = 2**31
 _CODES = len(FIELDS)
@@ -29,9 +29,11 @@ CHECKED_ON_HOST = ("cpu",)  # device types whose checks read their verdict at on
 
 class Reduction:
     """One all-reduce of this rank's payload, made on ``device`` from each count's total (an
-    int, an int64 tensor, or None for 0), whether this rank gave and lacked each reported count,
-    and each (term, earlier step's?) loss sum: started when made, waited on and checked when
-    first used. ``traceable``: the result is always used, maybe in a graph torch.compile traces."""
+    int or a float, an int64 or float64 tensor of the numbers to sum, or None for 0), whether
+    this rank gave and lacked each count (all of them), and the terms' loss sums, this step's
+    and an earlier one's (a 1-D tensor each, or None): started when made, waited on and
+    checked when first used. ``traceable``: the result is always used, maybe in a graph
+    torch.compile traces."""
 
     def __init__(
         self,
@@ -39,9 +41,9 @@ class Reduction:
         layout: Layout,
         codes: tuple[int, ...],
         device: torch.device,
-        counts: Mapping[str, int | torch.Tensor | None],
+        counts: Mapping[str, int | float | torch.Tensor | None],
         flags: Mapping[str, tuple[bool, bool]],
-        losses: Mapping[tuple[str, bool], torch.Tensor | None],
+        losses: Mapping[bool, torch.Tensor | None],
         traceable: bool = False,
     ) -> None:
         limbs = [(LIMB - 1) / 2] * len(COUNTS)  # a high limb's sum is in [0, LIMB)
@@ -50,22 +52,23 @@ class Reduction:
         centre = [collective.world_size * code for code in agreement] + limbs
         radius = [0.0] * len(agreement) + limbs
         host = [*agreement, *[0.0] * (layout.length - len(agreement)), *centre, *radius]
-        for name, count in counts.items():
-            if isinstance(count, int):
-                host[layout.high[name]], host[layout.low[name]] = divmod(count, LIMB)
-        for name, (gave, lacked) in flags.items():
+        for name, (gave, lacked) in flags.items():  # every count has its flags
             host[layout.flags[name]], host[layout.flags[name] + 1] = gave, lacked
+            if (count := counts.get(name)) is not None and not isinstance(count, torch.Tensor):
+                host[layout.high[name]], host[layout.low[name]] = divmod(count, LIMB)
         values = torch.frombuffer(array("d", host), dtype=torch.float64)  # faster than a list
         values = values.to(device, non_blocking=True)
         payload, self._bounds = values[: layout.length], values[layout.length :].view(2, -1)
         for name, count in counts.items():
-            if isinstance(count, torch.Tensor):
-                summed = torch.stack((count >> 31, count & (LIMB - 1))).reshape(2, -1).sum(1)
+            if isinstance(count, torch.Tensor):  # int64, or float64 for a weight sum
+                high = count.floor_divide(LIMB) if count.is_floating_point() else count >> 31
+                summed = torch.stack((high, count - high * LIMB)).reshape(2, -1).sum(1)
                 payload[layout.high[name] : layout.low[name] + 1 : len(COUNTS)] = summed
-        for key, loss in losses.items():
-            if loss is not None:
-                payload[layout.loss[key]].copy_(loss)  # copy_ moves a loss on another device too
-                payload[layout.loss[key] + 1].copy_(loss - loss != 0)  # NaN or an infinity
+        for previous, loss in losses.items():
+            if loss is not None:  # each term's sum, then whether it is NaN or infinite
+                start, size = layout.losses[previous], len(layout.terms)
+                payload[start : start + size].copy_(loss)  # copy_ moves a loss's device too
+                payload[start + size : start + 2 * size].copy_(loss - loss != 0)
         self.layout, self._payload, self._codes = layout, payload, codes
         self._world_size, self._collective = collective.world_size, type(collective).__name__
         self._handle: Waitable | None = start_all_reduce(collective, payload, traceable)
@@ -125,21 +128,25 @@ class Reduction:
         return torch.add(payload[layout.low[count]], payload[layout.high[count]], alpha=LIMB)
 
     def count(self, count: str) -> torch.Tensor:
-        """One count total over every rank as int64, exact; -1 for a reported count unless
-        some rank gave it and no rank with a microbatch lacked it."""
+        """One count total over every rank, as int64 (exact) or, for ``weight_sum``, float64;
+        -1 for a reported count unless some rank gave it and no rank with a microbatch lacked
+        it."""
         payload, layout = self.result(), self.layout
         limbs = payload[[layout.high[count], layout.low[count]]]
         total = limbs[0].to(torch.int64) * LIMB + limbs[1].to(torch.int64)
+        if count not in terms.INTEGER:
+            total = self.total(count)
         known = limbs[0] == limbs[0]  # False where a failed check on a device made it NaN
         if count in layout.reported:
             gave, lacked = payload[layout.flags[count]], payload[layout.flags[count] + 1]
             known = known & (gave > 0) & (lacked == 0)
         return torch.where(known, total, -1)
 
-    def loss(self, term: str, previous: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(a loss sum over every rank, whether any rank's was non-finite)."""
-        payload, slot = self.result(), self.layout.loss[(term, previous)]
-        return payload[slot], payload[slot + 1] > 0
+    def loss(self, previous: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each term's loss sum over every rank, whether any rank's was non-finite)."""
+        payload, start = self.result(), self.layout.losses[previous]
+        size = len(self.layout.terms)
+        return payload[start : start + size], payload[start + size : start + 2 * size] > 0
 
     def _check(self) -> None:
         self._checked = True
@@ -173,7 +180,9 @@ class Reduction:
             where = [i for i, name in enumerate(FIELDS) if name == field]
             if not all(passed[i] and passed[_CODES + i] for i in where):
                 mean, square = values[where[0]] / ranks, values[_CODES + where[0]] / ranks
-                problems.append(_problem(field, mean, square, tuple(codes[i] for i in where)))
+                own = tuple(codes[i] for i in where)
+                described = ", ".join(map(str, self.layout.terms))
+                problems.append(_problem(field, mean, square, own, described))
         if problems and (ranks == 1 or values[:_CODES] == list(codes)):
             # One rank, or ranks that each got back their own codes: nothing was summed.
             self._error = error("not_summed", collective=self._collective, ranks=ranks)
@@ -181,12 +190,12 @@ class Reduction:
             text = "; ".join(problems)
             self._error = error("cannot_be_reduced", step=codes[0], ranks=ranks, problems=text)
         else:
-            names = [f"num_{n}" for i, n in enumerate(COUNTS) if not passed[2 * _CODES + i]]
+            names = [ARGUMENTS[n] for i, n in enumerate(COUNTS) if not passed[2 * _CODES + i]]
             self._error = error("total_too_large", name=" and ".join(names))
         raise self._error from None
 
 
-def _problem(field: str, mean: float, mean_square: float, own: tuple[int, ...]) -> str:
+def _problem(field: str, mean: float, square: float, own: tuple[int, ...], described: str) -> str:
     if field == "step":
         return device_message("differ_step", own=own[0], mean=mean)
     if field == "call":
@@ -194,9 +203,11 @@ def _problem(field: str, mean: float, mean_square: float, own: tuple[int, ...]) 
         problem = device_message("differ_call", call=terms.CALLS[own[0]], mean=mean, codes=others)
         # Codes that are all 0 or 1 have a mean square equal to their mean: every rank is in
         # begin() of a count-first step or end() of a scale-after one, so the modes differ.
-        if own[0] in (terms.COUNT_FIRST_BEGIN, terms.SCALE_AFTER_END) and mean_square == mean:
+        if own[0] in (terms.COUNT_FIRST_BEGIN, terms.SCALE_AFTER_END) and square == mean:
             problem += device_message("differ_mode")
         return problem
+    if field == "terms":
+        return device_message("differ_terms", own=described)
     share = round(mean * 100)
     if field == "carried":
         return device_message("differ_carried", own="does" if own[0] else "does not", share=share)
@@ -215,5 +226,5 @@ def _problem(field: str, mean: float, mean_square: float, own: tuple[int, ...]) 
 # a number that torch.compile may have made symbolic.
 _ASSERT_MESSAGES = (
     *[device_message("disagree", field=field) for field in FIELDS * 2],  # codes, their squares
-    *[device_message("total_too_large", name=f"num_{count}") for count in COUNTS],
+    *[device_message("total_too_large", name=ARGUMENTS[count]) for count in COUNTS],
 )

@@ -7,6 +7,7 @@ import torch
 from . import weighting
 from .errors import error
 from .payload import Reduction
+from .terms import Term
 
 
 class PendingLoss:
@@ -23,10 +24,11 @@ class StepResult:
     """What one optimizer step reports: the same values on every rank, whatever each held.
 
     ``step`` is the index of the step (an int, counted from 1 by its Accumulator); every other
-    value is a 0-dim tensor on the device the counts were reduced on (the GPU under NCCL).
-    Reading one never issues a collective: it may wait for a reduction that every rank started
-    in ``begin()`` or ``end()``, and on a GPU that wait is a stream dependency, not a host sync.
-    Call ``.item()`` when you want a Python number, on any rank or on one only.
+    value is a 0-dim tensor on the device the counts were reduced on (the GPU under NCCL), or
+    a dict of them. Reading one never issues a collective: it may wait for a reduction that
+    every rank started in ``begin()`` or ``end()``, and on a GPU that wait is a stream
+    dependency, not a host sync. Call ``.item()`` when you want a Python number, on any rank
+    or on one only.
 
     ``grad_norm`` is the total norm of the step's gradients before ``end(max_grad_norm=...)``
     clipped them, and None when ``end()`` did not clip.
@@ -36,7 +38,7 @@ class StepResult:
         self, step: int, counts: Reduction, loss: Reduction | PendingLoss, unrecorded: list[int]
     ) -> None:
         self.step, self._counts, self._loss, self._unrecorded = step, counts, loss, unrecorded
-        self._weight = counts.layout.terms[0].normaliser
+        self._terms = counts.layout.terms
         self.grad_norm: torch.Tensor | None = None
 
     def __repr__(self) -> str:
@@ -44,8 +46,8 @@ class StepResult:
 
     @property
     def num_samples(self) -> torch.Tensor:
-        """The global number of samples (int64); -1 when samples do not weight the step and
-        they are not known for all of it: no rank gave ``num_samples``, or a rank with a
+        """The global number of samples (int64); -1 when samples normalise no term and they
+        are not known for all of the step: no rank gave ``num_samples``, or a rank with a
         microbatch did not."""
         return self._counts.count("samples")
 
@@ -55,26 +57,49 @@ class StepResult:
         return self._counts.count("tokens")
 
     @property
+    def weight_sum(self) -> torch.Tensor:
+        """The global sum of the float weights (float64); -1 as :attr:`num_samples` is."""
+        return self._counts.count("weight_sum")
+
+    @property
     def is_empty(self) -> torch.Tensor:
-        """True (a bool tensor) when the step's global weight ``W`` is 0: its gradients are
-        zero and its logged loss 0. ``optimizer.step()`` would still apply weight decay and
-        momentum: see docs/usage.md to skip it."""
-        return self._counts.total(self._weight) == 0
+        """True (a bool tensor) when every term's global weight ``W`` is 0 (a term divided by
+        a constant never is): its gradients are zero and its logged loss 0.
+        ``optimizer.step()`` would still apply weight decay and momentum: see docs/usage.md
+        to skip it."""
+        totals = [self._total(term) for term in self._terms]
+        return torch.stack(
+            [torch.as_tensor(t, device=self._counts.device) == 0 for t in totals]
+        ).all()
 
     @property
     def loss(self) -> torch.Tensor:
-        """The step's weighted mean loss (float64), from the detached losses of every rank:
-        reduced by the step's own ``end()`` (scale-after steps, and count-first steps with
-        ``loss_logging="end"``), or with the Accumulator's next reduction
-        (``loss_logging="next_step"``). Reading it before that raises RuntimeError."""
-        return self._reduced_loss()[0]
+        """The step's loss (float64), from the detached losses of every rank: each term's
+        weighted mean, summed over the terms. It is reduced by the step's own ``end()``
+        (scale-after steps, and count-first steps with ``loss_logging="end"``), or with the
+        Accumulator's next reduction (``loss_logging="next_step"``). Reading it before that
+        raises RuntimeError."""
+        losses = list(self.losses.values())
+        return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+
+    @property
+    def losses(self) -> dict[str, torch.Tensor]:
+        """Each term's weighted mean loss (float64), by name, available as :attr:`loss` is."""
+        sums = self._reduced_loss()[0]
+        return {
+            term.name: weighting.weighted_mean(loss_sum, self._total(term))
+            for loss_sum, term in zip(sums, self._terms, strict=True)
+        }
 
     @property
     def nonfinite_loss(self) -> torch.Tensor:
-        """True (a bool tensor) if some rank's loss sum for this step was NaN or infinite; it
-        arrives with :attr:`loss`. It sees the losses handed to the Accumulator, not the
-        gradients: a NaN made inside a loss's own backward does not show here."""
-        return self._reduced_loss()[1]
+        """True (a bool tensor) if some rank's loss sum of some term for this step was NaN or
+        infinite; it arrives with :attr:`loss`. It sees the losses handed to the Accumulator,
+        not the gradients: a NaN made inside a loss's own backward does not show here."""
+        return self._reduced_loss()[1].any()
+
+    def _total(self, term: Term) -> torch.Tensor | float:
+        return self._counts.total(term.count) if term.count else float(term.weight_by)
 
     def _reduced_loss(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._unrecorded:
@@ -85,5 +110,4 @@ class StepResult:
             raise error("loss_dropped", step=self.step, why=source.dropped)
         if reduction is None:
             raise error("loss_pending", step=self.step)
-        loss_sum, nonfinite = reduction.loss("loss", previous)
-        return weighting.weighted_mean(loss_sum, self._counts.total(self._weight)), nonfinite
+        return reduction.loss(previous)

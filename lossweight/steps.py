@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -18,16 +19,17 @@ from . import _torch, weighting
 from .collectives import Collective
 from .errors import device_message, error
 from .payload import Reduction
-from .terms import COUNTS, Layout
+from .terms import ARGUMENTS, COUNTS, Layout, Term
 
-Count = int | torch.Tensor
-Counts = dict[str, list[int] | torch.Tensor | None]
+Count = int | float | torch.Tensor
+Counts = Mapping[str, list[int] | list[float] | torch.Tensor | None]
 _STALE, _UNSCALED = device_message("stale_gradients"), device_message("unscaled_gradients")
 
 
 class CountFirst:
-    """A step whose counts were all given to ``begin()``: for each count, a list of ints, a
-    1-D int64 tensor (a copy), or None."""
+    """A step whose counts were all given to ``begin()``: for each count, a list of numbers, a
+    1-D tensor (an int64 or float64 copy), or None. Its losses come one per term, in order;
+    each term's weights, factors and losses are a 1-D tensor of their own (a "row")."""
 
     def __init__(
         self,
@@ -38,112 +40,139 @@ class CountFirst:
         carried: torch.Tensor | None,
         divisor: float,
     ) -> None:
-        (self._term,) = layout.terms
-        weights = counts[self._term.normaliser]
-        assert weights is not None
-        self.size, self._divisor = len(weights), divisor
+        self._terms, self._divisor = layout.terms, divisor
+        given = [c for c in counts.values() if c is not None]
+        self.size = size = len(given[0])
         self.device = device = reduction_device(collective, counts)
         totals = {name: sum(c) if isinstance(c, list) else c for name, c in counts.items()}
-        gave = {name: counts[name] is not None for name in layout.reported}
-        flags = {name: (g, not g and self.size > 0) for name, g in gave.items()}
-        losses = {(self._term.name, True): carried}
+        flags = {n: (counts[n] is not None, counts[n] is None and size > 0) for n in COUNTS}
         # traceable: scale_loss() uses the totals in every case, maybe in a compiled graph.
+        losses = {True: carried}
         self.reduction = Reduction(collective, layout, codes, device, totals, flags, losses, True)
-        # Weights given as ints stay on the host too, where "is this one empty?" costs nothing,
-        # and move through a buffer (frombuffer refuses an empty one): faster than from a list.
-        self._host_weights = weights if isinstance(weights, list) else None
-        if isinstance(weights, list) and weights:
-            weights = torch.frombuffer(array("d", weights), dtype=torch.float64)
-        self._weights = torch.as_tensor(weights).to(device, torch.float64, non_blocking=True)
-        self._factors: torch.Tensor | None = None
-        self._cast: tuple[torch.device, torch.dtype, torch.Tensor, torch.Tensor] | None = None
-        # Each microbatch's detached loss (float64, on the losses' device), indexed by its
+        # Each term's weight per microbatch (a constant's term: 1), and where all are numbers,
+        # whether each microbatch's are positive, known on the host at no cost.
+        rows: list[Any] = [counts[t.count] if t.count else [1] * size for t in self._terms]
+        self._host_positive, self._weights = _weights(rows, device)
+        self._factors: Rows = ()
+        # The factors and whether each weight is positive, on a loss's device and at its
+        # precision: (device, dtype, factors, positive), the last one made first.
+        self._cast: list[tuple[torch.device, torch.dtype, Rows, Rows]] = []
+        # Each microbatch's detached losses (float64, on the losses' device), indexed by its
         # position so that a compiled scale_loss() does not depend on how many came before.
-        self._losses: torch.Tensor | None = None
+        self._losses: Rows = ()
         # A compiled step counts its microbatches on the device: dynamo specializes a Python
         # int reached from a global, so counting in one would compile a graph per microbatch.
         self.cursor: torch.Tensor | None = None
 
-    def factors(self) -> torch.Tensor:
-        """Every microbatch's factor (float64), made once: the first call waits for the counts."""
-        if self._factors is None:
-            total = self.reduction.total(self._term.normaliser)
-            self._factors = weighting.backward_scale(
-                self._weights, total, self._divisor, self._term.reduction
+    def factors(self) -> Rows:
+        """Every term's factor for every microbatch (float64), made once: the first call waits
+        for the counts."""
+        if not self._factors:
+            self._factors = tuple(
+                weighting.backward_scale(
+                    weights, self._total(term), self._divisor, term.loss_reduction
+                )
+                for weights, term in zip(self._weights, self._terms, strict=True)
             )
         return self._factors
 
-    def scale(self, loss: torch.Tensor, index: int | None, step: int) -> torch.Tensor:
-        """``loss`` times microbatch ``index``'s factor; None: at the cursor (an eager call in a
-        compiled step, where dynamo fell back)."""
-        factors, positive = self._on(loss)
+    def factor(self, index: int) -> torch.Tensor:
+        """Microbatch ``index``'s factor, one per term where there are several."""
+        factors = self.factors()
+        return factors[0][index] if len(factors) == 1 else torch.stack([f[index] for f in factors])
+
+    def _total(self, term: Term) -> torch.Tensor | float:
+        """The term's ``W``: its count's total over every rank, or its constant."""
+        return self.reduction.total(term.count) if term.count else float(term.weight_by)
+
+    def scale(self, losses: Losses, index: int | None, step: int) -> torch.Tensor:
+        """The terms' losses times microbatch ``index``'s factors, summed; None: at the cursor
+        (an eager call in a compiled step, where dynamo fell back)."""
         if index is None:
             assert self.cursor is not None
             if (index := int(self.cursor)) >= self.size:
                 raise error("too_many", number=index + 1, step=step, declared=self.size)
             self.cursor.add_(1)
-        self.record(index, loss)
-        if self._host_weights is not None and self._host_weights[index] > 0:
-            return loss * factors[index]
-        # A microbatch of weight 0 contributes exactly nothing: torch.where takes neither the
-        # value nor the gradient of the loss it does not select (a NaN of 0/0 included).
-        return torch.where(positive[index], loss, 0.0) * factors[index]
+        self.record(index, losses)
+        guard = self._host_positive is None or not self._host_positive[index]
+        if not guard and len(losses) == 1:  # the common case, kept short: it runs per microbatch
+            return losses[0] * self._on(losses[0])[0][0][index]
+        scaled = []
+        for term, loss in enumerate(losses):
+            factors, positive = self._on(loss)
+            if guard:
+                # A microbatch of weight 0 contributes exactly nothing: torch.where takes
+                # neither the value nor the gradient of the loss it does not select (a NaN of
+                # 0/0 included).
+                loss = torch.where(positive[term][index], loss, 0.0)
+            scaled.append(loss * factors[term][index])
+        return sum(scaled[1:], scaled[0])
 
-    def scale_traced(self, loss: torch.Tensor, start: int) -> torch.Tensor:
+    def scale_traced(self, losses: Losses, start: int) -> torch.Tensor:
         """``scale()`` as torch.compile traces it: the position is a tensor, and nothing in the
         graph depends on the counts or on how many microbatches came before."""
-        factors, positive = self._on(loss)
         if self.cursor is None:  # the first compiled microbatch, after ``start`` eager ones
-            self.cursor = torch.full((), start, dtype=torch.int64, device=loss.device)
-        cursor, losses = self.cursor, self._buffer(loss)
+            self.cursor = torch.full((), start, dtype=torch.int64, device=losses[0].device)
+        cursor, buffers = self.cursor, self._buffers(losses[0])
         # Sizes come from shapes, which torch.compile makes symbolic, never from self.size, a
         # Python int it would compile one graph for each value of; the position is clamped so
         # that the assert, not an index out of bounds, reports a microbatch too many.
-        _torch.assert_true(cursor < factors.shape[0], device_message("traced_too_many"))
-        position = cursor.clamp(max=factors.shape[0] - 1).view(1)
-        losses.index_copy_(0, position, loss.detach().to(torch.float64).view(1))
-        selected = positive.index_select(0, position).view(())
-        factor = factors.index_select(0, position).view(())
+        size = buffers[0].shape[0]
+        _torch.assert_true(cursor < size, device_message("traced_too_many"))
+        position = cursor.clamp(max=size - 1).view(1)
+        scaled = []
+        for term, (loss, buffer) in enumerate(zip(losses, buffers, strict=True)):
+            buffer.index_copy_(0, position, loss.detach().to(torch.float64).view(1))
+            factors, positive = self._on(loss)
+            selected = positive[term].index_select(0, position).view(())
+            factor = factors[term].index_select(0, position).view(())
+            scaled.append(torch.where(selected, loss, 0.0) * factor)
         cursor.add_(1)
-        return torch.where(selected, loss, 0.0) * factor
+        return sum(scaled[1:], scaled[0])
 
-    def record(self, index: int, loss: torch.Tensor) -> None:
-        """Keep a copy of microbatch ``index``'s detached loss for the logged loss."""
-        self._buffer(loss)[index] = loss.detach()
+    def record(self, index: int, losses: Losses) -> None:
+        """Keep a copy of microbatch ``index``'s detached losses for the logged loss."""
+        buffers = self._losses or self._buffers(losses[0])
+        for term, loss in enumerate(losses):
+            buffers[term][index] = loss.detach()
 
-    def _buffer(self, loss: torch.Tensor) -> torch.Tensor:
+    def _buffers(self, loss: torch.Tensor) -> Rows:
         """The microbatches' losses, made on the first loss's device."""
-        if self._losses is None:
-            self._losses = torch.zeros_like(self._weights, device=loss.device)
+        if not self._losses:
+            self._losses = tuple(torch.zeros_like(w, device=loss.device) for w in self._weights)
         return self._losses
 
     def loss_sum(self, known: bool) -> torch.Tensor:
-        """This rank's term of the loss numerator, after its last microbatch; NaN where a loss
-        was not handed over (``known`` False), so that no rank logs a wrong one."""
+        """This rank's terms of the losses' numerators, after its last microbatch; NaN where a
+        loss was not handed over (``known`` False), so that no rank logs a wrong one."""
         if self.cursor is not None:  # a compiled step: checked on the device, no host sync
             _torch.assert_true(self.cursor == self.size, device_message("traced_too_few"))
-        losses = self._losses
-        if losses is None or not known:
+        if not self._losses or not known:
             fill = 0.0 if known else torch.nan
-            return torch.full((), fill, dtype=torch.float64, device=self.device)
-        weights = self._weights.to(losses.device, non_blocking=True)
-        if self._host_weights is None or not all(self._host_weights):
-            losses = torch.where(weights > 0, losses, 0.0)  # an empty microbatch's NaN
-        return weighting.loss_contribution(losses, weights, self._term.reduction).sum()  # type: ignore[no-any-return]
+            return torch.full((len(self._terms),), fill, dtype=torch.float64, device=self.device)
+        device, guard = self._losses[0].device, not all(self._host_positive or [False])
+        weights = [w.to(device, non_blocking=True) for w in self._weights]
+        losses = self._losses
+        if guard:  # an empty microbatch's NaN, left out
+            losses = tuple(torch.where(w > 0, x, 0.0) for w, x in zip(weights, losses, strict=True))
+        return _contributions(losses, weights, self._terms)
 
-    def _on(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _on(self, loss: torch.Tensor) -> tuple[Rows, Rows]:
         """The factors at the loss's precision (float32 at least), and whether each weight is
         positive, on the loss's device: made once a step (and a loss device and dtype)."""
-        if self._cast is None or self._cast[:2] != (loss.device, loss.dtype):
-            dtype = torch.promote_types(loss.dtype, torch.float32)
-            factors = self.factors().to(loss.device, dtype, non_blocking=True)
-            positive = (self._weights > 0).to(loss.device, non_blocking=True)
-            self._cast = (loss.device, loss.dtype, factors, positive)
-        return self._cast[2], self._cast[3]
+        for device, dtype, factors, positive in self._cast:
+            if dtype is loss.dtype and device == loss.device:
+                return factors, positive
+        dtype = torch.promote_types(loss.dtype, torch.float32)
+        factors = tuple([f.to(loss.device, dtype, non_blocking=True) for f in self.factors()])
+        positive = tuple([(w > 0).to(loss.device, non_blocking=True) for w in self._weights])
+        self._cast.insert(0, (loss.device, loss.dtype, factors, positive))
+        return factors, positive
 
 
 class ScaleAfter:
-    """A step whose counts come with each loss, and whose gradients ``end()`` rescales."""
+    """A step whose counts come with each loss, and whose gradients ``end()`` rescales. Every
+    term is normalised by the same count (``Options.rescalable``), so one factor fits them all."""
 
     def __init__(
         self,
@@ -155,64 +184,72 @@ class ScaleAfter:
         # Gradients left from before the step would be rescaled with this step's.
         _torch.check_zero_gradients(parameters, _STALE)
         self.parameters, self._estimate, self._divisor = parameters, estimate, divisor
-        self._layout, (self._term,) = layout, layout.terms
+        self._layout, self._terms = layout, layout.terms
+        self._count = str(layout.terms[0].count)
+        # Which terms' losses are means (each weighted by its microbatch's count), if any.
+        means = [term.loss_reduction == "mean" for term in layout.terms]
+        self._means = tuple(means) if any(means) else ()
         self._cast: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._counts: dict[str, list[int | torch.Tensor]] = {name: [] for name in COUNTS}
-        self._weights: list[int | torch.Tensor] = []
-        self._losses: list[torch.Tensor] = []
+        self._counts: dict[str, list[Count]] = {name: [] for name in COUNTS}
+        self._weights: list[Count] = []
+        self._losses: list[tuple[torch.Tensor, ...]] = []  # per microbatch, one per term
         self.reduction: Reduction | None = None
         self.total: torch.Tensor | None = None  # W, once end() has reduced and rescaled
 
-    def scale(self, loss: torch.Tensor, counts: Mapping[str, Count | None]) -> torch.Tensor:
-        """``loss`` times its provisional factor ``w * D / E`` (or ``D / E``)."""
+    def scale(self, losses: Losses, counts: Mapping[str, Count | None]) -> torch.Tensor:
+        """The terms' losses times their provisional factors ``w * D / E`` (or ``D / E``),
+        summed."""
         for name, count in counts.items():
             if count is not None:
                 self._counts[name].append(count)
-        if (key := (loss.device, loss.dtype)) not in self._cast:
-            estimate = torch.as_tensor(self._estimate, dtype=torch.float64).to(loss.device)
+        if (key := (losses[0].device, losses[0].dtype)) not in self._cast:
+            estimate = torch.as_tensor(self._estimate, dtype=torch.float64).to(key[0])
             # A summed loss's factor D / E is the same for every microbatch: made once.
             shared = weighting.backward_scale(estimate, estimate, self._divisor, "sum")
-            self._cast[key] = (estimate, shared.to(torch.promote_types(loss.dtype, torch.float32)))
+            self._cast[key] = (estimate, shared.to(torch.promote_types(key[1], torch.float32)))
         estimate, shared = self._cast[key]
-        weight = counts[self._term.normaliser]
-        if isinstance(weight, int) and weight > 0:
-            guarded = loss
-        elif isinstance(weight, int):  # weight 0: nothing of the loss, not even a NaN of 0/0
-            guarded = torch.where(torch.zeros_like(loss, dtype=torch.bool), loss, 0.0)
-        else:
+        weight = counts[self._count]
+        if not isinstance(weight, (int, float)):
             assert weight is not None
-            weight = weight.to(loss.device, torch.float64, non_blocking=True)
-            guarded = torch.where(weight > 0, loss, 0.0)
-        self._losses.append(guarded.detach().to(torch.float64, copy=True))
+            weight = weight.to(key[0], torch.float64, non_blocking=True)
         self._weights.append(weight)
-        if self._term.reduction == "sum":
-            return guarded * shared
-        # A Python weight enters through full_like, a fill on the loss's device, so that the
-        # factor is a tensor divided by a tensor, rounded once as a count-first factor is.
-        as_tensor = torch.full_like(estimate, weight) if isinstance(weight, int) else weight
-        factor: torch.Tensor = weighting.backward_scale(as_tensor, estimate, self._divisor, "mean")
-        return guarded * factor.to(shared.dtype)
+        factor = shared
+        if self._means:
+            # A Python weight enters through full_like, a fill on the loss's device, so that
+            # the factor is a tensor divided by a tensor, rounded once as a count-first one is.
+            full = torch.full_like(estimate, weight) if isinstance(weight, (int, float)) else weight
+            mean = weighting.backward_scale(full, estimate, self._divisor, "mean")
+            factor = mean.to(shared.dtype)
+        if len(losses) == 1:  # the common case, kept short: it runs per microbatch
+            guarded = _guarded(losses[0], weight)
+            self._losses.append((guarded.detach().to(torch.float64, copy=True),))
+            return guarded * factor
+        guards = [_guarded(loss, weight) for loss in losses]
+        self._losses.append(tuple([g.detach().to(torch.float64, copy=True) for g in guards]))
+        means = self._means or (False,) * len(guards)
+        scaled = [g * (factor if m else shared) for g, m in zip(guards, means, strict=True)]
+        return sum(scaled[1:], scaled[0])
 
     def finish(
         self,
         collective: Collective,
         codes: tuple[int, ...],
-        given: tuple[bool, bool] | None,
+        given: tuple[bool, ...] | None,
         carried: torch.Tensor | None,
     ) -> Reduction:
         """Reduce the step, then rescale its gradients: each once, even after a failure."""
-        layout, term = self._layout, self._term
         if self.reduction is None:
             self._groups = self._gradients(codes[0])
             totals = {name: self._sum(name) for name in COUNTS}
             device = reduction_device(collective, totals)
-            gave = dict(zip(COUNTS, given or (False, False), strict=True))
-            flags = {n: (gave[n], not gave[n] and bool(self._losses)) for n in layout.reported}
-            own = self._loss_sum(device)
-            losses = {(term.name, False): own, (term.name, True): carried}
-            self.reduction = Reduction(collective, layout, codes, device, totals, flags, losses)
+            gave = dict(zip(COUNTS, given or (False,) * len(COUNTS), strict=True))
+            flags = {n: (gave[n], not gave[n] and bool(self._losses)) for n in COUNTS}
+            losses = {False: self._loss_sum(device), True: carried}
+            self.reduction = Reduction(
+                collective, self._layout, codes, device, totals, flags, losses
+            )
         if self.total is None:
-            total = self.reduction.total(term.normaliser)
+            total = self.reduction.total(self._count)
             # Applied at the gradients' precision or better, never rounded to bf16 first.
             _torch.multiply(self._groups, weighting.gradient_correction(total, self._estimate))
             self.total = total
@@ -228,27 +265,64 @@ class ScaleAfter:
             raise error("no_gradients", parameters=len(self.parameters), scaled=scaled, step=step)
         return groups
 
-    def _sum(self, name: str) -> int | torch.Tensor:
+    def _sum(self, name: str) -> int | float | torch.Tensor:
         """A count's total, or where a microbatch gave a tensor, the counts to sum."""
         tensors = [count for count in self._counts[name] if isinstance(count, torch.Tensor)]
-        host = sum(count for count in self._counts[name] if isinstance(count, int))
+        host = sum(count for count in self._counts[name] if not isinstance(count, torch.Tensor))
         if not tensors:
             return host
-        device = accelerator_of(f"num_{name}", (t.device for t in tensors))
-        tensors = [*tensors, torch.tensor(host)] if host else tensors
+        device = accelerator_of(ARGUMENTS[name], (t.device for t in tensors))
+        tensors = [*tensors, torch.tensor(host, dtype=tensors[0].dtype)] if host else tensors
         return torch.stack([t.to(device, non_blocking=True) for t in tensors])
 
     def _loss_sum(self, device: torch.device) -> torch.Tensor:
         if not self._losses:
-            return torch.zeros((), dtype=torch.float64, device=device)
-        losses = torch.stack(self._losses)
-        if all(isinstance(w, int) for w in self._weights):
-            weights = torch.tensor(self._weights, dtype=torch.float64, device=losses.device)
-        else:
-            weights = torch.stack(
-                [torch.as_tensor(w, device=losses.device).to(torch.float64) for w in self._weights]
-            )
-        return weighting.loss_contribution(losses, weights, self._term.reduction).sum()  # type: ignore[no-any-return]
+            return torch.zeros(len(self._terms), dtype=torch.float64, device=device)
+        losses = torch.stack([torch.stack(term) for term in zip(*self._losses, strict=True)])
+        weights = torch.stack(
+            [torch.as_tensor(w, device=losses.device).to(torch.float64) for w in self._weights]
+        )
+        return _contributions(losses, weights.expand_as(losses), self._terms)
+
+
+Losses = tuple[torch.Tensor, ...]
+Rows = tuple[torch.Tensor, ...]
+
+
+def _weights(rows: list[Any], device: torch.device) -> tuple[list[bool] | None, Rows]:
+    """Each term's weights (numbers, or a 1-D tensor) as a float64 tensor on ``device``;
+    where all are numbers, also whether each microbatch's are positive. Numbers move through a
+    buffer (frombuffer refuses an empty one): faster than from a list."""
+    if not all(isinstance(row, list) for row in rows):
+        return None, tuple(torch.as_tensor(r).to(device, torch.float64) for r in rows)
+    positive = [all(weights) for weights in zip(*rows, strict=True)]  # a weight is 0 or more
+    buffers = [
+        torch.frombuffer(array("d", row), dtype=torch.float64)
+        if row
+        else torch.zeros(0, dtype=torch.float64)
+        for row in rows
+    ]
+    return positive, tuple(buffer.to(device, non_blocking=True) for buffer in buffers)
+
+
+def _guarded(loss: torch.Tensor, weight: Count) -> torch.Tensor:
+    """``loss``, or where ``weight`` is 0, exactly nothing of it (not even a NaN of 0/0)."""
+    if isinstance(weight, (int, float)) and weight > 0:
+        return loss
+    if isinstance(weight, (int, float)):
+        return torch.where(torch.zeros_like(loss, dtype=torch.bool), loss, 0.0)
+    return torch.where(weight > 0, loss, 0.0)
+
+
+def _contributions(
+    losses: Iterable[torch.Tensor], weights: Iterable[torch.Tensor], terms: tuple[Term, ...]
+) -> torch.Tensor:
+    """Each term's sum of loss contributions over its microbatches, one row each."""
+    rows = [
+        weighting.loss_contribution(loss, weight, term.loss_reduction).sum()
+        for loss, weight, term in zip(losses, weights, terms, strict=True)
+    ]
+    return rows[0].reshape(1) if len(rows) == 1 else torch.stack(rows)
 
 
 def accelerator_of(what: str, devices: Iterable[torch.device]) -> torch.device:
@@ -267,6 +341,6 @@ def reduction_device(collective: Collective, counts: Mapping[str, object]) -> to
     if device.type == "cpu":
         return collective.device
     if not collective.can_reduce_on(device):
-        name = next(f"num_{n}" for n, c in tensors.items() if c.device == device)
+        name = next(ARGUMENTS[n] for n, c in tensors.items() if c.device == device)
         raise error("cannot_reduce_on", name=name, device=device, reduces=collective.device.type)
     return device

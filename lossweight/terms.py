@@ -1,9 +1,9 @@
 """What a step carries, as plain data: its options, its loss terms, and the layout they give.
 
 It imports only the pure weighting.py and errors.py, and is the one place where the option
-vocabulary is written (:data:`CHOICES`, :data:`OPTIONS`). From a step's :class:`Term` list
-comes the :class:`Layout` of the one payload every reduction sums: a new kind of term (another
-normaliser, a second loss) is a new entry here, not a new code path.
+vocabulary is written (:data:`CHOICES`, :data:`COUNTS`, :data:`OPTIONS`). From a step's
+:class:`Term` tuple comes the :class:`Layout` of the one payload every reduction sums: a term
+is a name, a loss reduction and a normaliser (a count or a constant), not a code path.
 """
 
 from __future__ import annotations
@@ -11,16 +11,18 @@ from __future__ import annotations
 import math
 import numbers
 import struct
+import zlib
 from dataclasses import dataclass, field
 
 from . import weighting
 from .errors import error
 
-CHOICES = {
-    "weight_by": ("tokens", "samples"),
-    "loss_reduction": ("mean", "sum"),
-    "loss_logging": ("end", "next_step"),
-}
+CHOICES = {"loss_reduction": ("mean", "sum"), "loss_logging": ("end", "next_step")}
+COUNTS = ("samples", "tokens", "weight_sum")
+"""The counts a microbatch may give, in payload order: integers, then a sum of float weights."""
+ARGUMENTS = {"samples": "num_samples", "tokens": "num_tokens", "weight_sum": "weight_sum"}
+"""The argument of ``begin()`` and ``scale_loss()`` (and field of StepResult) of each count."""
+INTEGER = ("samples", "tokens")
 _POSITIVE = {
     "grad_reduction": "'mean' (the wrapper averages the ranks' gradients, as DDP and FSDP do), "
     "'sum', or the positive number it divides their sum by",
@@ -28,16 +30,8 @@ _POSITIVE = {
     "framework_divides_loss_by": "the positive number your framework divides each loss by "
     "before its backward (its gradient accumulation steps), or 1",
 }
-OPTIONS = (
-    "weight_by",
-    "loss_reduction",
-    "grad_reduction",
-    "loss_logging",
-    "framework_divides_loss_by",
-)
-"""The options every rank shares, which a saved state must match."""
-COUNTS = ("samples", "tokens")
-"""The counts a step reports (``StepResult.num_samples``, ``.num_tokens``), in payload order."""
+OPTIONS = ("weight_by", "terms", "grad_reduction", "loss_logging", "framework_divides_loss_by")
+"""The options a state is saved with; only ``weight_by`` must match where it is loaded."""
 CALLS = (
     "begin() of a count-first step",
     "end() of a scale-after step",
@@ -46,37 +40,77 @@ CALLS = (
 )
 COUNT_FIRST_BEGIN, SCALE_AFTER_END, COUNT_FIRST_END, FLUSH = range(len(CALLS))
 # What the ranks agree on in every reduction, one code each: the step, the call, whether it
-# carries an earlier step's loss, the options; a number (the divisor D, the estimate E that a
-# scale-after step's factors assume) takes four 16-bit codes, its float64 bits, so that two
-# numbers that differ in any bit differ in a code.
-FIELDS = ("step", "call", "carried", *CHOICES, *["grad_reduction"] * 4, *["weight_estimate"] * 4)
+# carries an earlier step's loss, the logging option, a 32-bit digest of the terms; a number
+# (the divisor D, the estimate E that a scale-after step's factors assume) takes four 16-bit
+# codes, its float64 bits, so that two numbers that differ in any bit differ in a code.
+FIELDS = (
+    "step", "call", "carried", "loss_logging", *["terms"] * 2,
+    *["grad_reduction"] * 4, *["weight_estimate"] * 4,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Term:
+    """One loss term of a step: its ``name``; whether each loss given for it is the ``"mean"``
+    or the ``"sum"`` of its items' (``loss_reduction``); and what normalises it over the whole
+    step (``weight_by``): a count each microbatch gives (``"tokens"``, ``"samples"``, or
+    ``"weight_sum"``, a sum of float weights), or a positive number, a constant that the sum of
+    the term's (summed) losses is divided by, as Dr. GRPO divides by a fixed length. ``count``
+    is the count, None for a constant."""
+
+    name: str
+    loss_reduction: weighting.LossReduction
+    weight_by: str | float = "tokens"
+    count: str | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise error("bad_term_name", value=self.name)
+        choose("loss_reduction", self.loss_reduction)
+        constant = not isinstance(self.weight_by, str) and positive(self.weight_by)
+        if not constant and self.weight_by not in COUNTS:
+            raise error("bad_weight_by", value=self.weight_by)
+        if constant and self.loss_reduction == "mean":
+            raise error("constant_mean", name=self.name, value=self.weight_by)
+        object.__setattr__(self, "count", None if constant else self.weight_by)
+
+    def __str__(self) -> str:
+        return f"{self.name!r} ({self.loss_reduction}, by {self.weight_by!r})"
 
 
 @dataclass(frozen=True)
 class Options:
-    """An Accumulator's options, checked when made."""
+    """An Accumulator's options, checked when made. ``weight_by`` is the count a scale-after
+    step's estimate ``E`` is of (the first term's that has one); ``counts``, those that
+    normalise a term, which every step must give; ``rescalable``, whether every term is
+    normalised by ``weight_by``, so that one factor ``E / W`` rescales the sum of their
+    gradients exactly, as a scale-after step does."""
 
-    loss_reduction: weighting.LossReduction
-    weight_by: str = "tokens"
+    terms: tuple[Term, ...]
     grad_reduction: str | float = "mean"
     loss_logging: str = "end"
     weight_estimate: float = 1.0
     framework_divides_loss_by: float = 1.0
+    weight_by: str = field(init=False, repr=False)
+    counts: tuple[str, ...] = field(init=False, repr=False)
+    rescalable: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name, choices in CHOICES.items():
-            if getattr(self, name) not in choices:
-                expected = " or ".join(map(repr, choices))
-                raise error("bad_option", name=name, value=getattr(self, name), expected=expected)
+        if not self.terms or not all(isinstance(term, Term) for term in self.terms):
+            raise error("bad_terms", value=self.terms)
+        if len({term.name for term in self.terms}) < len(self.terms):
+            raise error("terms_named_twice", names=[term.name for term in self.terms])
+        choose("loss_logging", self.loss_logging)
         for name, expected in _POSITIVE.items():
             value = getattr(self, name)
             named = name == "grad_reduction" and value in ("mean", "sum")
-            if not named and not (finite(value) and value > 0):
+            if not named and not positive(value):
                 raise error("bad_option", name=name, value=value, expected=expected)
-
-    @property
-    def terms(self) -> tuple[Term, ...]:
-        return (Term("loss", self.weight_by, self.loss_reduction),)
+        counts = [term.count for term in self.terms]
+        weight_by = next((count for count in counts if count is not None), "tokens")
+        object.__setattr__(self, "weight_by", weight_by)
+        object.__setattr__(self, "counts", tuple(c for c in COUNTS if c in counts))
+        object.__setattr__(self, "rescalable", set(counts) == {weight_by})
 
     def divisor(self, world_size: int) -> float:
         """``D``, times what a framework divides each loss by: the factors undo both."""
@@ -85,13 +119,38 @@ class Options:
 
     def codes(self, divisor: float) -> tuple[int, ...]:
         """The agreement codes of the options, in the order of :data:`FIELDS`."""
-        chosen = [CHOICES[name].index(getattr(self, name)) for name in CHOICES]
-        return (*chosen, *number_codes(divisor))
+        described = repr([(t.name, t.loss_reduction, t.weight_by) for t in self.terms])
+        digest = zlib.crc32(described.encode())
+        logging = CHOICES["loss_logging"].index(self.loss_logging)
+        return (logging, digest >> 16, digest & 0xFFFF, *number_codes(divisor))
+
+
+def terms_of(loss_reduction: object, weight_by: object, terms: object) -> tuple[Term, ...]:
+    """An Accumulator's terms: ``terms``, or one named ``"loss"``, of the ``loss_reduction``
+    and ``weight_by`` given instead."""
+    if terms is None and loss_reduction is None:
+        raise error("no_loss_reduction")
+    if terms is None:
+        return (Term("loss", loss_reduction, "tokens" if weight_by is None else weight_by),)  # type: ignore[arg-type]
+    given = {"loss_reduction": loss_reduction, "weight_by": weight_by}
+    if names := " and ".join(name for name, value in given.items() if value is not None):
+        raise error("terms_and_options", names=names)
+    return tuple(terms) if isinstance(terms, (list, tuple)) else terms  # type: ignore[return-value]
+
+
+def choose(name: str, value: object) -> None:
+    if value not in CHOICES[name]:
+        expected = " or ".join(map(repr, CHOICES[name]))
+        raise error("bad_option", name=name, value=value, expected=expected)
 
 
 def finite(value: object) -> bool:
     """Whether ``value`` is a finite real number (a bool is not)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def positive(value: object) -> bool:
+    return finite(value) and value > 0  # type: ignore[operator]
 
 
 def number_codes(value: float) -> tuple[int, ...]:
@@ -107,52 +166,35 @@ REDUCED = number_codes(math.nan)
 """The estimate's codes where it is the last step's reduced ``W``, the same on every rank."""
 
 
-@dataclass(frozen=True)
-class Term:
-    """One loss term of a step: its name, the count that normalises it, and whether each of its
-    losses is the mean or the sum of its items'."""
-
-    name: str
-    normaliser: str
-    reduction: weighting.LossReduction
-
-
 @dataclass(frozen=True, eq=False)
 class Layout:
     """Where each number sits in the payload of a step with ``terms``, in order: an agreement
-    code per field, then their squares; the high 31-bit limb of each count total, then the low
-    limbs; for each count that normalises no term (``reported``), how many ranks gave it and
-    how many with a microbatch lacked it; for each term, this step's loss sum and whether it
-    was non-finite, then the same for an earlier step's loss that travels with this one. The
-    first ``checked`` slots are checked after the sum."""
+    code per field, then their squares; the high 31-bit limb of each count total (0 for the
+    float ``weight_sum``), then the low limbs (the float total itself); for each count, whether
+    this rank gave it and whether it had a microbatch that lacked it; then each term's loss sum
+    of this step (from ``losses[False]``), whether each was non-finite (one term count further),
+    and the same two for an earlier step's loss that travels with this one (``losses[True]``).
+    The first ``checked`` slots are checked after the sum."""
 
     terms: tuple[Term, ...]
     reported: tuple[str, ...] = field(init=False)
     high: dict[str, int] = field(init=False)
     low: dict[str, int] = field(init=False)
     flags: dict[str, int] = field(init=False)
-    loss: dict[tuple[str, bool], int] = field(init=False)
+    losses: tuple[int, int] = field(init=False)
     checked: int = field(init=False)
     length: int = field(init=False)
 
     def __post_init__(self) -> None:
-        normalisers = {term.normaliser for term in self.terms}
-        reported = tuple(count for count in COUNTS if count not in normalisers)
-        start = 2 * len(FIELDS)
+        start, size, terms = 2 * len(FIELDS), len(COUNTS), len(self.terms)
         values = {
-            "reported": reported,
+            "reported": tuple(c for c in COUNTS if all(t.count != c for t in self.terms)),
             "high": {count: start + i for i, count in enumerate(COUNTS)},
-            "low": {count: start + len(COUNTS) + i for i, count in enumerate(COUNTS)},
-            "checked": start + len(COUNTS),
+            "low": {count: start + size + i for i, count in enumerate(COUNTS)},
+            "flags": {count: start + 2 * size + 2 * i for i, count in enumerate(COUNTS)},
+            "checked": start + size,
+            "losses": (start + 4 * size, start + 4 * size + 2 * terms),
+            "length": start + 4 * size + 4 * terms,
         }
-        start += 2 * len(COUNTS)
-        values["flags"] = {count: start + 2 * i for i, count in enumerate(reported)}
-        start += 2 * len(reported)
-        values["loss"] = {
-            (term.name, previous): start + 4 * i + 2 * previous
-            for i, term in enumerate(self.terms)
-            for previous in (False, True)
-        }
-        values["length"] = start + 4 * len(self.terms)
         for name, value in values.items():
             object.__setattr__(self, name, value)

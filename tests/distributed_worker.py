@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lossweight import Accumulator
 from lossweight.testing import count_collectives
 
+from . import terms_problem
 from .problem import (
     IGNORE,
     Batch,
@@ -224,9 +225,72 @@ SCENARIOS = [
 ]
 
 
+# Several loss terms (tests/terms_problem.py): every term counting first, and the two terms a
+# scale-after step can make exact (both per token).
+TERM_MODES = {
+    "count_first/end": (terms_problem.TERMS, False, "end"),
+    "count_first/next_step": (terms_problem.TERMS, False, "next_step"),
+    "scale_after": (("lm", "mtp"), True, "end"),
+}
+
+
+def terms_scenario(rank: int, world_size: int, wrapper: str, mode: str) -> dict:
+    """One step of several terms on an uneven share of 3 sequences per rank (rank 0 has an
+    empty microbatch, and a sequence without tokens is in the step), against the full batch."""
+    names, scale_after, loss_logging = TERM_MODES[mode]
+    names = tuple(names)
+    lengths = [3, 0, 5, 2, 4, 1, 0, 6, 2, 3, 1, 4][: 3 * world_size]
+    data, base = terms_problem.make_sequences(lengths, seed=7), terms_problem.Model(7)
+    truth, counts = terms_problem.reference(base, data, names)
+    parameters = list(base.parameters())
+    grads = torch.autograd.grad(sum(truth.values()), parameters, allow_unused=True)
+    expected = [
+        torch.zeros_like(p) if g is None else g for p, g in zip(parameters, grads, strict=True)
+    ]
+    mine = [i for i in range(len(lengths)) if i % world_size == rank]
+    # As many microbatches on every rank (FSDP2 gathers the parameters at each forward).
+    microbatches = [mine[:1], [], mine[1:]] if rank == 0 else [mine, [], []]
+    model = copy.deepcopy(base)
+    if wrapper == "ddp":
+        model = DistributedDataParallel(model, find_unused_parameters=True)
+    else:
+        mesh = init_device_mesh("cpu", (world_size,))
+        fully_shard(model.token, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    terms = [terms_problem.TERMS[name] for name in names]
+    acc = Accumulator(terms=terms, loss_logging=loss_logging)
+    pieces = []
+    for rows in microbatches:  # the counts, from the data alone
+        tokens = sum(len(data.weights[i]) for i in rows)
+        weight = sum((data.weights[i].sum() for i in rows), torch.zeros((), dtype=torch.float64))
+        pieces.append({"num_tokens": tokens, "num_samples": len(rows), "weight_sum": weight})
+    if scale_after:
+        acc.begin(parameters=model.parameters())
+    else:
+        acc.begin(**{name: [piece[name] for piece in pieces] for name in pieces[0]})
+    for index, rows in enumerate(microbatches):
+        with microbatch_context(model, wrapper, index == len(microbatches) - 1):
+            losses, given = terms_problem.microbatch(model, data, rows, names)
+            acc.scale_loss(losses, **(given if scale_after else {})).backward()
+    result = acc.end()
+    acc.flush()
+    return {
+        "relative_error": max_relative_error(full_gradients(model), expected),
+        "losses": {name: value.item() for name, value in result.losses.items()},
+        "expected": {name: value.item() for name, value in truth.items()},
+        "loss": result.loss.item(),
+        "counts": [result.num_tokens.item(), result.num_samples.item(), result.weight_sum.item()],
+        "expected_counts": [counts["num_tokens"], counts["num_samples"], counts["weight_sum"]],
+    }
+
+
 def run(rank: int, world_size: int) -> dict:
     """Every scenario on this rank (run by tests/gloo.py's run_ranks)."""
-    return {
+    outcome = {
         f"{wrapper}/{name}": scenario(rank, world_size, wrapper, CONFIGS[name])
         for wrapper, name in SCENARIOS
     }
+    for wrapper in ("ddp", "fsdp"):
+        for mode in TERM_MODES:
+            outcome[f"terms/{wrapper}/{mode}"] = terms_scenario(rank, world_size, wrapper, mode)
+    return outcome

@@ -13,7 +13,7 @@ import argparse
 import pytest
 
 from benchmarks.step_cost import run_ranks
-from lossweight.terms import Layout, Options
+from lossweight.terms import Layout, Term
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def counts() -> dict:
 
 def test_lossweight_issues_its_collectives_and_no_host_sync_per_step(counts: dict) -> None:
     # float64: agreement codes, count limbs, loss sums
-    payload = Layout(Options("sum").terms).length * 8
+    payload = Layout((Term("loss", "sum"),)).length * 8
     for name, reductions in [
         ("lossweight count-first", 1),  # the loss rides on the next step's counts
         ("lossweight count-first, loss in end()", 2),
@@ -44,6 +44,18 @@ def test_lossweight_issues_its_collectives_and_no_host_sync_per_step(counts: dic
         assert counts[name]["collectives_per_step"] == {"all_reduce": reductions}
         assert counts[name]["bytes_per_step"] == reductions * payload
         assert counts[name]["host_reads_per_step"] == 0
+
+
+def test_more_terms_travel_in_the_same_one_collective(counts: dict) -> None:
+    # The payload grows by 4 float64 numbers (32 bytes) per term.
+    kinds = [Term("lm", "sum"), Term("aux", "mean", "samples")]
+    kinds += [Term("kl", "sum", "weight_sum"), Term("dr", "sum", 1e4)]
+    for terms in (2, 4):
+        figures = counts[f"lossweight count-first, {terms} terms"]
+        assert figures["collectives_per_step"] == {"all_reduce": 1}
+        assert figures["bytes_per_step"] == Layout(tuple(kinds[:terms])).length * 8
+        assert figures["bytes_per_step"] == 352 + 32 * (terms - 1)
+        assert figures["host_reads_per_step"] == 0
 
 
 def test_the_other_patterns_cost_what_their_math_says(counts: dict) -> None:

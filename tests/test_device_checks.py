@@ -17,7 +17,7 @@ import torch
 
 from lossweight import Accumulator, DisagreementError, payload
 from lossweight.errors import MESSAGES
-from lossweight.terms import Layout, Options
+from lossweight.terms import Layout, Term
 from lossweight.testing import InProcessCollective, InProcessGroup
 
 
@@ -66,7 +66,7 @@ def test_the_compiled_checks_say_the_table_s_words() -> None:
         ".*?".join(map(re.escape, re.split(r"\{[^}]*\}", template)))
         for _, template in MESSAGES.values()
     ]
-    assert len(payload._ASSERT_MESSAGES) == Layout(Options("sum").terms).checked
+    assert len(payload._ASSERT_MESSAGES) == Layout((Term("loss", "sum"),)).checked
     for message in payload._ASSERT_MESSAGES:
         assert any(re.fullmatch(pattern, message) for pattern in patterns), message
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from . import distributed_worker
-from .distributed_worker import MODES, SCENARIOS
+from .distributed_worker import MODES, SCENARIOS, TERM_MODES
 from .gloo import run_ranks, values
 
 
@@ -105,3 +105,20 @@ def test_a_next_step_loss_is_not_readable_before_it_travels(
         )
         assert rank[scenario]["count_first/end"]["read_before_flush"] == "ready"
         assert rank[scenario]["scale_after"]["read_before_flush"] == "ready"
+
+
+@pytest.mark.parametrize("mode", TERM_MODES)
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_several_terms_give_the_full_batch_gradient_and_losses(
+    runs: list[dict], wrapper: str, mode: str
+) -> None:
+    # Every term weighted by its own count (tokens, sequences, float weights, a constant),
+    # with an empty microbatch and a sequence without tokens in the step.
+    for rank in runs:
+        seen = rank[f"terms/{wrapper}/{mode}"]
+        assert seen["relative_error"] < 1e-10
+        assert seen["losses"].keys() == seen["expected"].keys()
+        for name, value in seen["losses"].items():
+            assert value == pytest.approx(seen["expected"][name], rel=1e-10)
+        assert seen["loss"] == pytest.approx(sum(seen["expected"].values()), rel=1e-10)
+        assert seen["counts"] == pytest.approx(seen["expected_counts"], rel=1e-14)

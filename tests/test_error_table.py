@@ -49,6 +49,7 @@ ELSEWHERE = {
     "differ_call",
     "differ_mode",
     "differ_choice",
+    "differ_terms",
     "differ_divisor",
     "differ_carried",
     "differ_estimate",

@@ -15,7 +15,7 @@ from lossweight.testing import InProcessGroup
         (
             {"weight_by": "rows"},
             ValueError,
-            r"weight_by='rows' is not supported; pass 'tokens' or 'samples'",
+            r"weight_by='rows' is not supported; pass 'tokens', 'samples', 'weight_sum'",
         ),
         (
             {"loss_reduction": "avg"},
@@ -110,8 +110,11 @@ def test_the_weighting_count_is_required() -> None:
 
 
 def test_counts_of_different_lengths() -> None:
-    with pytest.raises(ValueError, match=r"num_samples has 2 counts but num_tokens has 3"):
+    lengths = r"\{'num_samples': 2, 'num_tokens': 3\}"
+    with pytest.raises(ValueError, match=rf"got counts of different lengths \({lengths}\)"):
         Accumulator(loss_reduction="mean").begin(num_samples=[1, 1], num_tokens=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"\{'num_tokens': 2, 'weight_sum': 1\}"):
+        Accumulator(loss_reduction="mean").begin(num_tokens=[1, 1], weight_sum=[0.5])
 
 
 def test_counts_on_a_device_the_collective_cannot_reduce() -> None:

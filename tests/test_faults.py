@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lossweight import Accumulator, DisagreementError
+from lossweight import Accumulator, DisagreementError, Term
 from lossweight.collectives import SingleProcess
 from lossweight.testing import count_collectives
 
@@ -45,7 +45,7 @@ from .problem import make_model, max_relative_error, microbatch_loss, reference,
 # until gloo's timeout (10 s, tests/gloo.py) would take longer.
 FAST = 8.0
 # Every option named in a disagreement message ("the ranks differ in <option>").
-OPTIONS = ("weight_by", "loss_reduction", "loss_logging", "grad_reduction")
+OPTIONS = ("their loss terms", "loss_logging", "grad_reduction")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,6 +121,17 @@ def _options_differ(rank: int, group: dist.ProcessGroup, **options: tuple) -> No
 @protocol("weight_by")
 def _weight_by(rank: int, group: dist.ProcessGroup) -> None:
     _options_differ(rank, group, weight_by=("tokens", "samples"))
+
+
+@protocol("term_names")
+def _term_names(rank: int, group: dist.ProcessGroup) -> None:
+    other = ("aux", "kl")[rank]
+    terms = [Term("lm", "sum"), Term(other, "mean", "samples")]
+    acc, x = Accumulator(group=group, terms=terms), _scalar()
+    acc.begin(num_samples=[1, 2], num_tokens=[3, 4])
+    for loss in (1.0, 2.0):
+        acc.scale_loss({"lm": loss * x, other: loss * x}).backward()
+    acc.end()
 
 
 @protocol("loss_reduction")
@@ -611,15 +622,25 @@ def _fine(record: dict, rank: int, name: str) -> Any:
 # rank's message must say.
 DISAGREEMENTS = {
     "weight_by": (
-        "weight_by",
+        "their loss terms",
         [
-            ["this rank has 'tokens'; 50% of the ranks have 'samples' and the others 'tokens'"],
-            ["this rank has 'samples'; 50% of the ranks have 'samples'"],
+            ["this rank's are 'loss' (mean, by 'tokens');"],
+            ["this rank's are 'loss' (mean, by 'samples');"],
         ],
     ),
     "loss_reduction": (
-        "loss_reduction",
-        [["this rank has 'mean'; 50% of the ranks have 'sum'"], ["this rank has 'sum'"]],
+        "their loss terms",
+        [
+            ["this rank's are 'loss' (mean, by 'tokens');"],
+            ["this rank's are 'loss' (sum, by 'tokens');"],
+        ],
+    ),
+    "term_names": (
+        "their loss terms",
+        [
+            ["this rank's are 'lm' (sum, by 'tokens'), 'aux' (mean, by 'samples');"],
+            ["this rank's are 'lm' (sum, by 'tokens'), 'kl' (mean, by 'samples');"],
+        ],
     ),
     "grad_reduction": (
         "grad_reduction",

@@ -62,18 +62,20 @@ class OpenStep:
     scaled: int = 0  # eager scale_loss() calls
     factored: set[int] = field(default_factory=set)
     recorded: set[int] = field(default_factory=set)
-    given: tuple[bool, bool] | None = None
+    given: tuple[bool, ...] | None = None
     traced: bool = False
 
 
-GIVEN = st.sampled_from([(False, False), (False, True), (True, False), (True, True)])
+GIVEN = st.tuples(st.booleans(), st.booleans(), st.booleans())  # samples, tokens, weight_sum
 INDICES = st.one_of(st.integers(-1, 5), st.sampled_from([None, True, 2.0, "1"]))
 
 
 class MachineModel(RuleBasedStateMachine):
-    @initialize(weight_by=st.sampled_from(["tokens", "samples"]), logging=st.booleans())
+    @initialize(
+        weight_by=st.sampled_from(["tokens", "samples", "weight_sum"]), logging=st.booleans()
+    )
     def setup(self, weight_by: str, logging: bool) -> None:
-        self.weight = ("samples", "tokens").index(weight_by)
+        self.weight = ("samples", "tokens", "weight_sum").index(weight_by)
         self.logging = "next_step" if logging else "end"
         self.state = machine.State(weight_by, self.logging)
         self.steps = 0
@@ -105,7 +107,7 @@ class MachineModel(RuleBasedStateMachine):
             self.pending = self.pending and not count_first
 
     @rule(given=GIVEN, traced=st.booleans())
-    def scale(self, given: tuple[bool, bool], traced: bool) -> None:
+    def scale(self, given: tuple[bool, ...], traced: bool) -> None:
         step = self.step
         traced = (
             traced and step is not None and step.count_first and (step.traced or not step.scaled)

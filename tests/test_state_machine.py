@@ -53,17 +53,11 @@ from hypothesis.stateful import (
     rule,
 )
 
-from lossweight import Accumulator, DisagreementError, StepResult
+from lossweight import Accumulator, DisagreementError, StepResult, Term
 from lossweight.testing import InProcessCollective, InProcessGroup
 
 NAMES = ("num_samples", "num_tokens")
-OPTIONS = (  # what state_dict() saves and load_state_dict() checks
-    "weight_by",
-    "loss_reduction",
-    "grad_reduction",
-    "loss_logging",
-    "framework_divides_loss_by",
-)
+OPTIONS = ("grad_reduction", "loss_logging", "framework_divides_loss_by")  # saved as given
 MICROBATCHES = 4  # the most microbatches of one rank in one step
 SIZES = st.sampled_from([2, 1, 3, 4, 0])  # uniform: st.integers() would favour 0
 NAN = float("nan")
@@ -102,6 +96,9 @@ OPTION_SETS = st.fixed_dictionaries(
         "framework_divides_loss_by": st.one_of(
             st.just(1), st.sampled_from([2, 4, 8, 0.5, 3.0]), st.floats(1e-2, 1e2)
         ),
+        # Two terms of the same options, each given the same loss: every scaled value, gradient
+        # and logged loss doubles exactly, and each term logs the loss of one.
+        "twice": st.booleans(),
     }
 )
 
@@ -256,22 +253,37 @@ class AccumulatorMachine(RuleBasedStateMachine):
         self.steps = 0
         self.estimate = Fraction(float(options["weight_estimate"]))
         self._new_group(world_size, options["weight_estimate"])
-        for name in OPTIONS[:4]:
-            assert getattr(self.accs[0], name) == options[name]
+        for name in OPTIONS:
+            assert getattr(self.accs[0].options, name) == options[name]
+        assert self.accs[0].options.terms == self._terms()
 
     def _new_group(self, world_size: int, weight_estimate: float) -> None:
         self.world_size = world_size
         self.group = InProcessGroup(world_size)
         self.calls = 0  # the all-reduces each rank has issued
+        chosen = {name: self.options[name] for name in (*OPTIONS, "weight_estimate")}
         self.accs = [
             Accumulator(
-                **{**self.options, "weight_estimate": weight_estimate},
+                terms=self._terms(),
+                **{**chosen, "weight_estimate": weight_estimate},
                 collective=self.group.collective(rank),
             )
             for rank in range(world_size)
         ]
         self.stale = [None] * world_size
         self.stale_contexts = []
+
+    def _terms(self) -> tuple[Term, ...]:
+        loss = Term("loss", self.options["loss_reduction"], self.options["weight_by"])
+        return (loss, Term("again", loss.loss_reduction, loss.weight_by))[: 1 + self.twice]
+
+    @property
+    def twice(self) -> int:
+        return int(self.options["twice"])
+
+    def _given(self, loss: object) -> Any:
+        """What scale_loss() and record_loss() take: the loss, or the same for both terms."""
+        return {"loss": loss, "again": loss} if self.twice else loss
 
     # The exact model.
 
@@ -371,7 +383,10 @@ class AccumulatorMachine(RuleBasedStateMachine):
                     assert math.isnan(loss.item()) and nonfinite.item() is True
                 else:
                     ulps = outcome.terms + 2 * self.world_size + 4
-                    check_close(loss.item(), outcome.loss, ulps, f"loss of step {outcome.index}")
+                    doubled = outcome.loss * (1 + self.twice)
+                    check_close(loss.item(), doubled, ulps, f"loss of step {outcome.index}")
+                    assert set(result.losses) == {term.name for term in self._terms()}
+                    assert len({value.item() for value in result.losses.values()}) == 1
                     assert nonfinite.item() is False
                 seen.append((counts, loss.item().hex()))
             else:
@@ -483,8 +498,12 @@ class AccumulatorMachine(RuleBasedStateMachine):
         value = loss.item()
         if data.draw(st.booleans()):
             peeked = acc.backward_scale()
-            check_close(peeked.item(), exact, ulps, f"backward_scale() of rank {rank}")
-        scaled = acc.scale_loss(loss)
+            assert peeked.shape == ((2,) if self.twice else ())
+            first = peeked.flatten()[0]
+            assert bool((peeked == first).all())
+            check_close(first.item(), exact, ulps, f"backward_scale() of rank {rank}")
+        scaled = acc.scale_loss(self._given(loss))
+        exact *= 1 + self.twice  # sums of two equal numbers are exact
         # The factor is cast to the loss's precision, float32 at least.
         assert scaled.dtype == torch.promote_types(dtype, torch.float32) and scaled.dim() == 0
         what = f"scale_loss() of microbatch {index} of rank {rank}"
@@ -529,8 +548,14 @@ class AccumulatorMachine(RuleBasedStateMachine):
             part.factored.add(index)
         for _ in range(2):  # reading a factor again changes nothing
             factor = self.accs[rank].backward_scale(index)
-            assert factor.dtype == F64 and factor.dim() == 0
-            check_close(factor.item(), exact, ulps, f"backward_scale({index}) of rank {rank}")
+            assert factor.dtype == F64 and factor.shape == ((2,) if self.twice else ())
+            assert bool((factor == factor[0]).all()) if self.twice else True
+            check_close(
+                factor[0].item() if self.twice else factor.item(),
+                exact,
+                ulps,
+                f"backward_scale({index}) of rank {rank}",
+            )
 
     # Scale after.
 
@@ -592,12 +617,12 @@ class AccumulatorMachine(RuleBasedStateMachine):
             kwargs[self.other_name] = self._microbatch_count(data, other)
         value = self._draw_loss(data, weight)
         param = part.params[index]
-        scaled = acc.scale_loss(param + torch.tensor(value, dtype=F64), **kwargs)
+        scaled = acc.scale_loss(self._given(param + torch.tensor(value, dtype=F64)), **kwargs)
         for count in kwargs.values():
             clobber(count)
         assert scaled.dtype == F64 and scaled.dim() == 0
         scaled.backward()
-        provisional = self._factor(step, weight, step.estimate)
+        provisional = self._factor(step, weight, step.estimate) * (1 + self.twice)
         ulps = self._factor_ulps(step, weight, step.estimate)
         what = f"scale_loss() of microbatch {index} of rank {rank} (provisional)"
         if weight == 0:
@@ -682,6 +707,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
                     weight = part.weights[index]
                     assert param.grad is not None, what
                     exact = self._factor(step, weight, total) if weight else Fraction(0)
+                    exact *= 1 + self.twice
                     ulps = self._effective_ulps(step, weight, total)
                     check_close(param.grad.item(), exact, ulps, what)
         outcome = self._outcome(step, results, "ready" if reduced else "pending")
@@ -739,7 +765,11 @@ class AccumulatorMachine(RuleBasedStateMachine):
             "format": 1,
             "steps": self.steps,
             "weight_estimate": float(self.estimate),
-            "options": {name: self.options[name] for name in OPTIONS},
+            "options": {
+                "weight_by": self.options["weight_by"],
+                "terms": [[t.name, t.loss_reduction, t.weight_by] for t in self._terms()],
+                **{name: self.options[name] for name in OPTIONS},
+            },
         }
         for state in states:
             assert state == expected, (state, expected)
@@ -788,7 +818,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
             for rank, acc in enumerate(self.accs):
                 if read:
                     with pytest.raises(ValueError, match=rf"total {name} .* 2\*\*62"):
-                        acc.scale_loss(torch.tensor(1.0))
+                        acc.scale_loss(self._given(torch.tensor(1.0)))
                 self.stale[rank] = "reported" if read or reported else "unreported"
         else:
             params = []
@@ -798,7 +828,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
                 self._settling(rank, lambda a=acc, p=param: a.begin(parameters=[p]))
                 for count in big:
                     counts = {self.weight_name: 1, self.other_name: 1, name: count}
-                    acc.scale_loss(param * 1.0, **counts).backward()
+                    acc.scale_loss(self._given(param * 1.0), **counts).backward()
             before = [param.grad.clone() for param in params]  # type: ignore[union-attr]
 
             def refused_end(rank: int, _: InProcessCollective) -> ValueError:
@@ -857,7 +887,9 @@ class AccumulatorMachine(RuleBasedStateMachine):
         if kind == "scale_loss":
             counts = data.draw(st.sampled_from([{}, {weight: 1}]))
             expect_error(
-                lambda: acc.scale_loss(torch.tensor(1.0), **counts), RuntimeError, "scale_loss()"
+                lambda: acc.scale_loss(self._given(torch.tensor(1.0)), **counts),
+                RuntimeError,
+                "scale_loss()",
             )
         elif kind == "end":
             expect_error(acc.end, RuntimeError, "end()")
@@ -980,11 +1012,12 @@ class AccumulatorMachine(RuleBasedStateMachine):
                 ]
             )
         )
+        options = {k: v for k, v in self.options.items() if k != "twice"}
         if name == "world_size":  # found when a step begins
-            acc = Accumulator(**{**self.options, "collective": NoRanks()})
+            acc = Accumulator(**{**options, "collective": NoRanks()})
             expect_error(lambda: acc.begin(**{self.weight_name: [1]}), error, name)
             return
-        kwargs = {**self.options, name: value}
+        kwargs = {**options, name: value}
         if name == "group":
             kwargs["collective"] = self.group.collective(0)
         expect_error(lambda: Accumulator(**kwargs), error, name)
@@ -1028,7 +1061,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
                 )
             )
             counts = {weight: 1} if step.mode == "scale_after" else {}
-            expect_error(lambda: acc.scale_loss(loss, **counts), error, "loss")
+            expect_error(lambda: acc.scale_loss(self._given(loss), **counts), error, "loss")
         elif kind == "contexts":
             # Leaving the step's context without an exception, or an earlier step's context
             # with one, leaves the step open.
@@ -1038,7 +1071,9 @@ class AccumulatorMachine(RuleBasedStateMachine):
         elif kind == "counts_to_scale_loss":
             counts = data.draw(st.sampled_from([{weight: 1}, {other: 2}, {weight: 0, other: 0}]))
             expect_error(
-                lambda: acc.scale_loss(torch.tensor(1.0), **counts), ValueError, "scale_loss()"
+                lambda: acc.scale_loss(self._given(torch.tensor(1.0)), **counts),
+                ValueError,
+                "scale_loss()",
             )
         elif kind == "bad_index":
             size = len(part.weights)
@@ -1047,24 +1082,32 @@ class AccumulatorMachine(RuleBasedStateMachine):
         elif kind == "too_few":
             expect_error(acc.end, RuntimeError, "end()")
         elif kind == "too_many":
-            expect_error(lambda: acc.scale_loss(torch.tensor(1.0)), RuntimeError, "scale_loss()")
+            expect_error(
+                lambda: acc.scale_loss(self._given(torch.tensor(1.0))), RuntimeError, "scale_loss()"
+            )
         elif kind == "no_next":
             expect_error(acc.backward_scale, RuntimeError, "backward_scale()")
         elif kind == "missing_count":
             counts = data.draw(st.sampled_from([{}, {other: 1}]))
-            expect_error(lambda: acc.scale_loss(torch.tensor(1.0), **counts), ValueError, weight)
+            expect_error(
+                lambda: acc.scale_loss(self._given(torch.tensor(1.0)), **counts), ValueError, weight
+            )
         elif kind == "bad_count":
             name = data.draw(st.sampled_from([weight, other]))
             value, error = data.draw(bad_microbatch_count())
             counts = {weight: 1, name: value}
-            expect_error(lambda: acc.scale_loss(torch.tensor(1.0), **counts), error, name)
+            expect_error(
+                lambda: acc.scale_loss(self._given(torch.tensor(1.0)), **counts), error, name
+            )
         elif kind == "backward_scale":
             index = data.draw(st.sampled_from([None, 0]))
             expect_error(lambda: acc.backward_scale(index), RuntimeError, "backward_scale()")
         else:  # counts unlike those of the rank's earlier microbatches
             counts = {weight: 1} if part.gives_other else {weight: 1, other: 1}
             expect_error(
-                lambda: acc.scale_loss(torch.tensor(1.0), **counts), ValueError, "scale_loss()"
+                lambda: acc.scale_loss(self._given(torch.tensor(1.0)), **counts),
+                ValueError,
+                "scale_loss()",
             )
 
     # What holds after every rule.

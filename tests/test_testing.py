@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from lossweight import Accumulator, count_tokens, token_cross_entropy
+from lossweight import Accumulator, Term, count_tokens, token_cross_entropy
 from lossweight.collectives import ProcessGroupCollective
 from lossweight.testing import (
     InProcessCollective,
@@ -730,3 +730,52 @@ def test_a_wait_that_failed_is_retried_not_taken_for_a_disagreement() -> None:
             with pytest.raises(RuntimeError, match=r"before rank\(s\) \[1\] started it"):
                 results[0].loss  # noqa: B018
     assert [r.loss.item() for r in results] == [2.0, 2.0]  # 6 over 3 tokens
+
+
+# Several loss terms: an LM loss per token and a router-style loss per sequence.
+
+
+def _terms_of(model, x, y):
+    logits = model(x)
+    lm, _ = token_cross_entropy(logits, y, shift=True)
+    aux = logits.softmax(-1).mean(1).pow(2).sum(-1).mean()  # a mean over sequences
+    return {"lm": lm, "aux": aux}
+
+
+def with_terms(model, microbatches, collective):
+    terms = [Term("lm", "sum"), Term("aux", "mean", "samples")]
+    acc = Accumulator(terms=terms, collective=collective)
+    acc.begin(
+        num_tokens=[count_tokens(y, shift=True) for _, y in microbatches],
+        num_samples=[len(y) for _, y in microbatches],
+    )
+    for x, y in microbatches:
+        acc.scale_loss(_terms_of(model, x, y)).backward()
+    return acc.end()
+
+
+def aux_per_microbatch(model, microbatches, collective):
+    """The auxiliary loss scaled by 1 / num_microbatches (as Megatron scales it), the LM loss
+    right; the logged losses are each term's, by name."""
+    acc = Accumulator(loss_reduction="sum", collective=collective)
+    acc.begin(num_tokens=[count_tokens(y, shift=True) for _, y in microbatches])
+    aux_logged = 0.0
+    for x, y in microbatches:
+        terms = _terms_of(model, x, y)
+        aux = torch.nan_to_num(terms["aux"]) / len(microbatches)
+        (acc.scale_loss(terms["lm"]) + aux).backward()
+        aux_logged += aux.item()
+    result = acc.end()
+    return {"loss": result.loss.item() + aux_logged, "lm": result.loss, "aux": aux_logged}
+
+
+def test_a_loop_of_several_terms_passes_and_its_terms_are_checked() -> None:
+    assert_split_invariant(with_terms, model(), examples(), collate, counts=counts(), rtol=1e-10)
+
+
+def test_a_term_weighted_per_microbatch_fails_naming_the_logged_terms() -> None:
+    with pytest.raises(AssertionError) as raised:
+        assert_split_invariant(aux_per_microbatch, model(), examples(), collate, counts=counts())
+    report = str(raised.value)
+    assert "the gradient is off by" in report
+    assert re.search(r"the ranks logged \{loss: [-\d.e]+, lm: [-\d.e]+, aux: [-\d.e]+\}", report)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from .. import Accumulator, machine
-from ..accumulator import Count, Counts, StepContext
+from ..accumulator import Count, Counts, Losses, StepContext
 from ..result import StepResult
 from ..weighting import GradReduction
 
@@ -85,6 +85,7 @@ class DeepSpeedAccumulator(Accumulator):
         *,
         num_samples: Counts | None = None,
         num_tokens: Counts | None = None,
+        weight_sum: Counts | None = None,
         parameters: Iterable[Any] | None = None,
         step: int | None = None,
     ) -> StepContext:
@@ -112,18 +113,18 @@ class DeepSpeedAccumulator(Accumulator):
                 "gradients into its partitions during the backward, where end() cannot rescale "
                 "them; count first: begin(num_tokens=[...]) with every microbatch's count"
             )
-        context = super().begin(
-            num_samples=num_samples, num_tokens=num_tokens, parameters=parameters, step=step
-        )
+        counts = {"num_samples": num_samples, "num_tokens": num_tokens, "weight_sum": weight_sum}
+        context = super().begin(**counts, parameters=parameters, step=step)
         self.engine.set_gradient_accumulation_boundary(None)  # a boundary left by a step before
         return context
 
     def scale_loss(
         self,
-        loss: torch.Tensor,
+        loss: Losses,
         *,
         num_samples: Count | None = None,
         num_tokens: Count | None = None,
+        weight_sum: Count | None = None,
     ) -> torch.Tensor:
         """:meth:`Accumulator.scale_loss`; counting first, it also tells the engine whether
         this microbatch ends the step, where DeepSpeed reduces and steps."""
@@ -132,7 +133,8 @@ class DeepSpeedAccumulator(Accumulator):
                 "DeepSpeedAccumulator.scale_loss() runs eagerly: it tells the engine where the "
                 "step ends, which a compiled graph cannot; compile the model, not scale_loss()"
             )
-        scaled = super().scale_loss(loss, num_samples=num_samples, num_tokens=num_tokens)
+        counts = {"num_samples": num_samples, "num_tokens": num_tokens, "weight_sum": weight_sum}
+        scaled = super().scale_loss(loss, **counts)
         step = self.state.step
         if step is not None and step.mode == machine.COUNT_FIRST:
             self.engine.set_gradient_accumulation_boundary(step.scaled == step.declared)

@@ -198,13 +198,14 @@ class LossweightTrainer(Trainer):
             counts["num_samples"] = samples
         if len(tokens) == len(batches):
             counts["num_tokens"] = tokens
-        weight_name = f"num_{self.accumulator.weight_by}"
+        weight_by = self.accumulator.options.weight_by
+        weight_name = f"num_{weight_by}"
         if weight_name not in counts:
             needed = (
                 "a 'labels' tensor" if weight_name == "num_tokens" else "'labels' or 'input_ids'"
             )
             raise ValueError(
-                f"LossweightTrainer(weight_by={self.accumulator.weight_by!r}) counts each batch "
+                f"LossweightTrainer(weight_by={weight_by!r}) counts each batch "
                 f"from {needed}, and a batch of this step has none; let the data collator "
                 "return it"
             )

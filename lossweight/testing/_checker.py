@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ from ..weighting import GradReduction, gradient_divisor
 from ._group import InProcessGroup
 
 Step = Callable[[torch.nn.Module, list[Any], Collective], Any]
+Logged = dict[str, float]
 Gradients = list[torch.Tensor]
 
 # The worlds the default splits simulate in one process.
@@ -153,7 +154,7 @@ def _spread(items: list[int], ranks: int) -> list[list[list[int]]]:
 @dataclass
 class _Run:
     gradients: Gradients
-    losses: list[float | None]
+    losses: list[Logged | None]
 
 
 class _Checker:
@@ -196,7 +197,7 @@ class _Checker:
 
     def rank(
         self, microbatches: Sequence[Sequence[int]], collective: Collective
-    ) -> tuple[Gradients, float | None]:
+    ) -> tuple[Gradients, Logged | None]:
         """One rank's step on a copy of the model: its gradients (float64) and logged loss."""
         replica = copy.deepcopy(self.model)
         for module in replica.modules():
@@ -204,7 +205,7 @@ class _Checker:
                 module.eval()
         replica.zero_grad(set_to_none=True)
         batches = [self.collate([self.examples[i] for i in mb]) for mb in microbatches]
-        logged = _as_float(self.step(replica, batches, collective))
+        logged = _logged(self.step(replica, batches, collective))
         parameters = dict(replica.named_parameters())
         grads = [
             (p.grad if p.grad is not None else torch.zeros_like(p)).detach().to(torch.float64)
@@ -310,8 +311,9 @@ def assert_split_invariant(
         step: ``step(model, microbatches, collective)`` runs one optimizer step's forward and
             backward passes on one rank (not ``optimizer.step()``) on the model it is given
             and returns its logged loss: a number, a 0-dim tensor, a
-            :class:`~lossweight.StepResult`, or None to check the gradient only. A step that
-            uses lossweight reduces over ``collective``:
+            :class:`~lossweight.StepResult` (with several terms, each term's loss is checked
+            too), a dict of numbers or tensors by name (each checked), or None to check the
+            gradient only. A step that uses lossweight reduces over ``collective``:
             ``Accumulator(..., collective=collective)``.
         model: the model at the start of the step; each run uses a copy, and the step must
             leave ``model`` itself as it is.
@@ -378,7 +380,7 @@ def assert_split_invariant(
             problems.append(f"- {split}:\n    {difference}\n    likely cause: {cause}")
     if problems:
         logged = reference.losses[0]
-        loss = "" if logged is None else f" (logged loss {logged:.6g})"
+        loss = "" if logged is None else f" (logged loss {_shown(logged)})"
         random = (
             f"\n{', '.join(checker.random)} ran in eval mode in every run: dropout's mask "
             "depends on the microbatch's shape, so no two splits would draw the same"
@@ -549,14 +551,37 @@ def _same(before: torch.Tensor | None, now: torch.Tensor | None) -> bool:
     )
 
 
-def _as_float(logged: object) -> float | None:
+def _logged(logged: object) -> Logged | None:
+    """What a step logged, by name: ``{"loss": value}`` for a number or a 0-dim tensor; a
+    StepResult's loss, and each term's where it has several; a dict's values, by its keys."""
     if logged is None:
         return None
     if isinstance(logged, StepResult):
-        logged = logged.loss
-    if isinstance(logged, torch.Tensor):
-        return float(logged.detach())
-    return float(logged)  # type: ignore[arg-type]
+        terms = logged.losses if len(logged.losses) > 1 else {}
+        logged = {"loss": logged.loss, **{f"losses[{n!r}]": v for n, v in terms.items()}}
+    if not isinstance(logged, Mapping):
+        logged = {"loss": logged}
+    return {
+        str(name): float(value.detach() if isinstance(value, torch.Tensor) else value)  # type: ignore[arg-type]
+        for name, value in logged.items()
+    }
+
+
+def _shown(logged: Logged | None) -> str:
+    if logged is None or set(logged) == {"loss"}:
+        return "None" if logged is None else f"{logged['loss']:.6g}"
+    return "{" + ", ".join(f"{name}: {value:.6g}" for name, value in logged.items()) + "}"
+
+
+def _close(logged: Logged | None, expected: Logged, rtol: float) -> bool:
+    return (
+        logged is not None
+        and logged.keys() == expected.keys()
+        and all(
+            math.isclose(logged[name], value, rel_tol=rtol, abs_tol=1e-12)
+            for name, value in expected.items()
+        )
+    )
 
 
 def _relative_error(actual: Gradients, expected: Gradients) -> tuple[float, int]:
@@ -582,12 +607,11 @@ def _difference(checker: _Checker, run: _Run, reference: _Run) -> str:
                 f"{checker.names[worst]!r}"
             )
     expected = reference.losses[0]
-    if expected is not None and any(
-        loss is None or not math.isclose(loss, expected, rel_tol=checker.rtol, abs_tol=1e-12)
-        for loss in run.losses
+    if expected is not None and not all(
+        _close(loss, expected, checker.rtol) for loss in run.losses
     ):
-        shown = ", ".join("None" if loss is None else f"{loss:.6g}" for loss in run.losses)
-        found.append(f"the ranks logged {shown} instead of {expected:.6g}")
+        shown = ", ".join(map(_shown, run.losses))
+        found.append(f"the ranks logged {shown} instead of {_shown(expected)}")
     return "; ".join(found)
 
 
