@@ -125,6 +125,15 @@ def counts_padding(model, microbatches, collective):
     return acc.end()
 
 
+def sum_as_mean(model, microbatches, collective):
+    """Passes token_cross_entropy's sum to an Accumulator told each loss is a mean."""
+    acc = Accumulator(loss_reduction="mean", collective=collective)
+    acc.begin(num_tokens=[count_tokens(y, shift=True) for _, y in microbatches])
+    for x, y in microbatches:
+        acc.scale_loss(token_cross_entropy(model(x), y, shift=True)[0]).backward()
+    return acc.end()
+
+
 def forgets_the_average(model, microbatches, collective):
     """Tells lossweight the wrapper sums the ranks' gradients, where it averages them."""
     acc = Accumulator(loss_reduction="sum", grad_reduction="sum", collective=collective)
@@ -153,6 +162,13 @@ BUGS = {
         counts_padding,
         "1 rank: uneven microbatches",
         "weighted by counts other than those of the items their losses cover",
+    ),
+    # A mistake the Accumulator cannot see (a sum and a mean are both 0-dim tensors): the
+    # checker is what catches it.
+    "sum_as_mean": (
+        sum_as_mean,
+        "1 rank: uneven microbatches",
+        "or a summed loss passed with loss_reduction='mean'",
     ),
     "forgets_the_average": (
         forgets_the_average,

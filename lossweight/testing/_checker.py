@@ -678,8 +678,9 @@ def _likely_cause(checker: _Checker, split: Split, run: _Run, reference: _Run) -
         )
     return (
         "the microbatches are weighted by counts other than those of the items their losses "
-        "cover (padding counted, or the first position of shifted rows), or by something else "
-        "that depends on the split"
+        "cover (padding counted, or the first position of shifted rows, counted without the "
+        "loss's shift), or a summed loss passed with loss_reduction='mean' (or a mean with "
+        "'sum'), or by something else that depends on the split"
     )
 
 
