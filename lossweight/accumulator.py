@@ -173,21 +173,21 @@ class Accumulator:
         weight_sum: Count | None = None,
     ) -> torch.Tensor:
         """``loss`` (a 0-dim tensor, its items' mean or sum; a dict of one per term) times the
-        next microbatch's factor (summed over the terms), ready for ``backward()``; scaling
-        after, with its counts. A microbatch of weight 0 adds exactly nothing to a term: its
-        loss (a NaN of 0/0 included) reaches no gradient and no log."""
+        next microbatch's factor (summed over the terms), for ``backward()``; with its counts
+        (counting first, checked against begin()'s). A microbatch of weight 0 adds nothing to a
+        term: its loss (a NaN of 0/0 included) reaches no gradient and no log."""
         losses = _losses(loss, self.options.terms)
         given = (num_samples is not None, num_tokens is not None, weight_sum is not None)
-        tensors = self._tensors
-        scaling_after = isinstance(tensors, ScaleAfter)
+        counts = {"samples": num_samples, "tokens": num_tokens, "weight_sum": weight_sum}
+        if any(given):  # a count-first step checks them against begin()'s
+            counts = {n: c if c is None else _counts(n, c, 0) for n, c in counts.items()}
+        tensors, scaling_after = self._tensors, isinstance(self._tensors, ScaleAfter)
         # Never in a graph: dynamo would guard on the set, and a graph has no autograd graph.
         if not torch.compiler.is_compiling() and len(_SCALING_AFTER) > scaling_after:
             _not_into_another_step(losses, tensors)
         if isinstance(tensors, ScaleAfter):
-            counts = {"samples": num_samples, "tokens": num_tokens, "weight_sum": weight_sum}
-            checked = {n: c if c is None else _counts(n, c, 0) for n, c in counts.items()}
             state, _ = machine.scale(self.state, given, traced=False)
-            scaled = tensors.scale(losses, checked)
+            scaled = tensors.scale(losses, counts)
         elif torch.compiler.is_compiling() and tensors is not None and not any(given):
             start = machine.trace(self.state)
             return tensors.scale_traced(losses, start)
@@ -195,7 +195,7 @@ class Accumulator:
             traced = tensors is not None and tensors.cursor is not None
             state, index = machine.scale(self.state, given, traced)
             assert tensors is not None
-            scaled = tensors.scale(losses, index, state.steps)
+            scaled = tensors.scale(losses, index, state.steps, counts if any(given) else None)
         self.state = state
         return scaled
 

@@ -9,6 +9,7 @@ arithmetic and read nothing back to the host.
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -19,9 +20,10 @@ from . import _torch, weighting
 from .collectives import Collective
 from .errors import device_message, error
 from .payload import Reduction
-from .terms import ARGUMENTS, COUNTS, Layout, Term
+from .terms import ARGUMENTS, COUNTS, INTEGER, Layout, Term
 
 Count = int | float | torch.Tensor
+Counted = Mapping[str, Count | None]
 Counts = Mapping[str, list[int] | list[float] | torch.Tensor | None]
 _STALE, _UNSCALED = device_message("stale_gradients"), device_message("unscaled_gradients")
 
@@ -40,7 +42,7 @@ class CountFirst:
         carried: torch.Tensor | None,
         divisor: float,
     ) -> None:
-        self._terms, self._divisor = layout.terms, divisor
+        self._terms, self._divisor, self._declared = layout.terms, divisor, counts
         given = [c for c in counts.values() if c is not None]
         self.size = size = len(given[0])
         self.device = device = reduction_device(collective, counts)
@@ -85,14 +87,21 @@ class CountFirst:
         """The term's ``W``: its count's total over every rank, or its constant."""
         return self.reduction.total(term.count) if term.count else float(term.weight_by)
 
-    def scale(self, losses: Losses, index: int | None, step: int) -> torch.Tensor:
+    def scale(
+        self, losses: Losses, index: int | None, step: int, given: Counted | None = None
+    ) -> torch.Tensor:
         """The terms' losses times microbatch ``index``'s factors, summed; None: at the cursor
-        (an eager call in a compiled step, where dynamo fell back)."""
+        (an eager call in a compiled step, where dynamo fell back). Counts ``given`` with the
+        losses must be those begin() declared for the microbatch."""
+        cursor = self.cursor if index is None else None
         if index is None:
-            assert self.cursor is not None
-            if (index := int(self.cursor)) >= self.size:
+            assert cursor is not None
+            if (index := int(cursor)) >= self.size:
                 raise error("too_many", number=index + 1, step=step, declared=self.size)
-            self.cursor.add_(1)
+        if given is not None:
+            self._check(index, given, step)
+        if cursor is not None:
+            cursor.add_(1)
         self.record(index, losses)
         guard = self._host_positive is None or not self._host_positive[index]
         if not guard and len(losses) == 1:  # the common case, kept short: it runs per microbatch
@@ -107,6 +116,25 @@ class CountFirst:
                 loss = torch.where(positive[term][index], loss, 0.0)
             scaled.append(loss * factors[term][index])
         return sum(scaled[1:], scaled[0])
+
+    def _check(self, index: int, given: Counted, step: int) -> None:
+        """Refuse a count that is not the one declared for microbatch ``index`` (a float
+        weight sum to 1e-9): the loss then covers other items than its weight counts."""
+        for name, count in given.items():
+            declared, argument = self._declared[name], ARGUMENTS[name]
+            if count is not None and declared is None:
+                raise error("count_undeclared", name=argument, microbatch=index, step=step)
+            if count is None or declared is None:
+                continue
+            exact = name in INTEGER  # an integer count exactly, as the payload reduces it
+            if isinstance(count, torch.Tensor) or isinstance(declared, torch.Tensor):
+                mine = torch.as_tensor(declared[index])
+                theirs = torch.as_tensor(count).to(mine)
+                same = mine == theirs if exact else torch.isclose(mine, theirs, rtol=1e-9, atol=0)
+                _torch.assert_true(same, device_message("count_differs", name=argument))
+            elif count != (want := declared[index]) and (exact or not math.isclose(count, want)):
+                where = {"microbatch": index, "step": step, "declared": want}
+                raise error("count_mismatch", name=argument, value=count, **where)
 
     def scale_traced(self, losses: Losses, start: int) -> torch.Tensor:
         """``scale()`` as torch.compile traces it: the position is a tensor, and nothing in the

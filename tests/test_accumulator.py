@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lossweight import Accumulator, StepResult
+from lossweight import Accumulator, StepResult, count_tokens, token_cross_entropy
 from lossweight.testing import InProcessCollective, InProcessGroup, strategies
 
 from .problem import (
@@ -425,3 +425,37 @@ def test_factors_read_for_a_log_do_not_take_microbatches_that_scale_loss_missed(
     for value in (1.0, 5.0):
         acc.scale_loss(p + value).backward()
     assert acc.end().loss.item() == 2.0 and p.grad.item() == 1.0
+
+
+def test_a_count_handed_with_its_loss_is_checked_against_begin() -> None:
+    # The loop counts every labelled token while its loss covers the shifted targets only
+    # (126 for 122, say): handing token_cross_entropy's own count to scale_loss() catches it.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 4), torch.nn.Linear(4, 11)).double()
+    tokens = torch.randint(11, (3, 6))
+    labels = tokens.masked_fill(torch.arange(6) >= torch.tensor([[6], [2], [4]]), -100)
+    for as_tensors in (False, True):
+        declared = [count_tokens(labels[i : i + 1]) for i in range(3)]  # no shift: wrong
+        declared = declared if as_tensors else [int(c) for c in declared]
+        acc = Accumulator(loss_reduction="sum")
+        acc.begin(num_tokens=declared)
+        loss, count = token_cross_entropy(model(tokens[:1]), labels[:1], shift=True)
+        error = RuntimeError if as_tensors else ValueError
+        with pytest.raises(error, match=r"scale_loss\(\) got .*num_tokens.* begin\(\) declared"):
+            acc.scale_loss(loss, num_tokens=count if as_tensors else int(count))
+        assert acc.state.step is not None and acc.state.step.scaled == 0  # nothing taken
+        acc.abandon()
+    # Counted with the loss's shift, the same counts pass, and the step is as without them.
+    grads = []
+    for hand_over in (False, True):
+        model.zero_grad()
+        acc = Accumulator(loss_reduction="sum")
+        acc.begin(num_tokens=[count_tokens(labels[i : i + 1], shift=True) for i in range(3)])
+        for i in range(3):
+            loss, count = token_cross_entropy(
+                model(tokens[i : i + 1]), labels[i : i + 1], shift=True
+            )
+            acc.scale_loss(loss, **({"num_tokens": count} if hand_over else {})).backward()
+        assert acc.end().num_tokens.item() == 9  # 5 + 1 + 3 shifted targets
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

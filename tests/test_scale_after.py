@@ -174,10 +174,10 @@ X = torch.nn.Parameter(torch.ones(()))
         (
             lambda acc: (
                 acc.begin(num_tokens=[1]),
-                acc.scale_loss(torch.tensor(1.0), num_tokens=1),
+                acc.scale_loss(torch.tensor(1.0), num_tokens=2),
             ),
             ValueError,
-            r"scale_loss\(\) got counts, but begin\(\) declared the counts of step 1 already; call scale_loss\(\) without them",
+            r"scale_loss\(\) got num_tokens=2 for microbatch 0 of step 1, but begin\(\) declared 1 for it",
         ),
         (
             lambda acc: (acc.begin(parameters=[X]), acc.scale_loss(torch.tensor(1.0))),
