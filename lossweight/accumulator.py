@@ -179,7 +179,7 @@ class Accumulator:
         losses = _losses(loss, self.options.terms)
         given = (num_samples is not None, num_tokens is not None, weight_sum is not None)
         counts = {"samples": num_samples, "tokens": num_tokens, "weight_sum": weight_sum}
-        if any(given):  # a count-first step checks them against begin()'s
+        if any(given):  # validated; a count-first step checks them against begin()'s
             counts = {n: c if c is None else _counts(n, c, 0) for n, c in counts.items()}
         tensors, scaling_after = self._tensors, isinstance(self._tensors, ScaleAfter)
         # Never in a graph: dynamo would guard on the set, and a graph has no autograd graph.
@@ -524,7 +524,7 @@ def _opening(
         if parameters is None:
             raise error("neither", argument=ARGUMENTS[options.weight_by])
         if not options.rescalable:
-            needed = ", ".join(f"{ARGUMENTS[c]}" for c in options.counts) or "num_tokens"
+            needed = ", ".join(ARGUMENTS[c] for c in options.counts) or "num_tokens"
             shown = ", ".join(map(str, options.terms))
             raise error("scale_after_terms", terms=shown, arguments=needed)
         return None, _parameter_list(parameters)
@@ -611,9 +611,9 @@ def _parameter_list(parameters: object) -> list[torch.Tensor]:
 
 def _saved(options: Options) -> dict[str, Any]:
     """The options a state is saved with, as plain values."""
-    described = [[term.name, term.loss_reduction, term.weight_by] for term in options.terms]
-    chosen = {name: getattr(options, name) for name in terms.OPTIONS[2:]}
-    return {"weight_by": options.weight_by, "terms": described, **chosen}
+    saved = {name: getattr(options, name) for name in terms.OPTIONS}
+    saved["terms"] = [[term.name, term.loss_reduction, term.weight_by] for term in options.terms]
+    return saved
 
 
 def _checked_state(state_dict: object, options: Options) -> tuple[int, float]:

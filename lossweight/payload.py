@@ -20,7 +20,7 @@ import torch
 from . import _torch, terms
 from .collectives import Collective, Waitable, start_all_reduce
 from .errors import device_message, error
-from .terms import ARGUMENTS, COUNTS, FIELDS, Layout
+from .terms import ARGUMENTS, COUNTS, FIELDS, Layout, Term
 
 LIMB = 2**31
 _CODES = len(FIELDS)
@@ -127,15 +127,20 @@ class Reduction:
         # low + LIMB * high: the product is exact, the sum is rounded once above 2**53.
         return torch.add(payload[layout.low[count]], payload[layout.high[count]], alpha=LIMB)
 
+    def normaliser(self, term: Term) -> torch.Tensor | float:
+        """A term's ``W``: its count's total over every rank, or its constant."""
+        return self.total(term.count) if term.count else float(term.weight_by)
+
     def count(self, count: str) -> torch.Tensor:
         """One count total over every rank, as int64 (exact) or, for ``weight_sum``, float64;
         -1 for a reported count unless some rank gave it and no rank with a microbatch lacked
         it."""
         payload, layout = self.result(), self.layout
         limbs = payload[[layout.high[count], layout.low[count]]]
-        total = limbs[0].to(torch.int64) * LIMB + limbs[1].to(torch.int64)
-        if count not in terms.INTEGER:
-            total = self.total(count)
+        if count in terms.INTEGER:
+            total = limbs[0].to(torch.int64) * LIMB + limbs[1].to(torch.int64)
+        else:
+            total = torch.add(limbs[1], limbs[0], alpha=LIMB)
         known = limbs[0] == limbs[0]  # False where a failed check on a device made it NaN
         if count in layout.reported:
             gave, lacked = payload[layout.flags[count]], payload[layout.flags[count] + 1]

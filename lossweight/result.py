@@ -7,7 +7,6 @@ import torch
 from . import weighting
 from .errors import error
 from .payload import Reduction
-from .terms import Term
 
 
 class PendingLoss:
@@ -67,7 +66,7 @@ class StepResult:
         a constant never is): its gradients are zero and its logged loss 0.
         ``optimizer.step()`` would still apply weight decay and momentum: see docs/usage.md
         to skip it."""
-        totals = [self._total(term) for term in self._terms]
+        totals = [self._counts.normaliser(term) for term in self._terms]
         return torch.stack(
             [torch.as_tensor(t, device=self._counts.device) == 0 for t in totals]
         ).all()
@@ -87,7 +86,7 @@ class StepResult:
         """Each term's weighted mean loss (float64), by name, available as :attr:`loss` is."""
         sums = self._reduced_loss()[0]
         return {
-            term.name: weighting.weighted_mean(loss_sum, self._total(term))
+            term.name: weighting.weighted_mean(loss_sum, self._counts.normaliser(term))
             for loss_sum, term in zip(sums, self._terms, strict=True)
         }
 
@@ -97,9 +96,6 @@ class StepResult:
         infinite; it arrives with :attr:`loss`. It sees the losses handed to the Accumulator,
         not the gradients: a NaN made inside a loss's own backward does not show here."""
         return self._reduced_loss()[1].any()
-
-    def _total(self, term: Term) -> torch.Tensor | float:
-        return self._counts.total(term.count) if term.count else float(term.weight_by)
 
     def _reduced_loss(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._unrecorded:

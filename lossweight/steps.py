@@ -72,7 +72,7 @@ class CountFirst:
         if not self._factors:
             self._factors = tuple(
                 weighting.backward_scale(
-                    weights, self._total(term), self._divisor, term.loss_reduction
+                    weights, self.reduction.normaliser(term), self._divisor, term.loss_reduction
                 )
                 for weights, term in zip(self._weights, self._terms, strict=True)
             )
@@ -82,10 +82,6 @@ class CountFirst:
         """Microbatch ``index``'s factor, one per term where there are several."""
         factors = self.factors()
         return factors[0][index] if len(factors) == 1 else torch.stack([f[index] for f in factors])
-
-    def _total(self, term: Term) -> torch.Tensor | float:
-        """The term's ``W``: its count's total over every rank, or its constant."""
-        return self.reduction.total(term.count) if term.count else float(term.weight_by)
 
     def scale(
         self, losses: Losses, index: int | None, step: int, given: Counted | None = None
@@ -178,7 +174,8 @@ class CountFirst:
         if not self._losses or not known:
             fill = 0.0 if known else torch.nan
             return torch.full((len(self._terms),), fill, dtype=torch.float64, device=self.device)
-        device, guard = self._losses[0].device, not all(self._host_positive or [False])
+        device = self._losses[0].device
+        guard = self._host_positive is None or not all(self._host_positive)
         weights = [w.to(device, non_blocking=True) for w in self._weights]
         losses = self._losses
         if guard:  # an empty microbatch's NaN, left out
@@ -322,7 +319,9 @@ def _weights(rows: list[Any], device: torch.device) -> tuple[list[bool] | None, 
     where all are numbers, also whether each microbatch's are positive. Numbers move through a
     buffer (frombuffer refuses an empty one): faster than from a list."""
     if not all(isinstance(row, list) for row in rows):
-        return None, tuple(torch.as_tensor(r).to(device, torch.float64) for r in rows)
+        return None, tuple(
+            torch.as_tensor(r).to(device, torch.float64, non_blocking=True) for r in rows
+        )
     positive = [all(weights) for weights in zip(*rows, strict=True)]  # a weight is 0 or more
     buffers = [
         torch.frombuffer(array("d", row), dtype=torch.float64)
