@@ -230,7 +230,7 @@ def test_lightning_callback_is_exact(lightning: list[dict], optimization: str) -
 def test_import_lossweight_imports_no_framework() -> None:
     code = (
         "import sys, lossweight, lossweight.integrations; "
-        "print([m for m in ('transformers', 'accelerate', 'lightning', 'pytorch_lightning') "
+        "print([m for m in ('transformers', 'accelerate', 'lightning', 'pytorch_lightning', 'trl') "
         "if m in sys.modules])"
     )
     out = subprocess.run(

@@ -6,6 +6,9 @@ one you use.
 - :mod:`lossweight.integrations.hf`: :class:`~lossweight.integrations.hf.LossweightTrainer`, a
   Hugging Face ``transformers.Trainer`` that weights every microbatch by its tokens or samples
   (``pip install "lossweight[hf]"``).
+- :mod:`lossweight.integrations.trl`:
+  :class:`~lossweight.integrations.trl.LossweightGRPOTrainer`, TRL's ``GRPOTrainer`` with each
+  ``loss_type`` defined over the whole step (``pip install "lossweight[trl]"``).
 - :mod:`lossweight.integrations.accelerate`:
   :class:`~lossweight.integrations.accelerate.AcceleratorAccumulator`, an Accumulator bound to
   an ``accelerate.Accelerator`` (``pip install "lossweight[accelerate]"``).

@@ -73,7 +73,65 @@ if "loss_is_scaled_for_ga" not in vars(Trainer):
     )
 
 
-class LossweightTrainer(Trainer):
+class _WeightedSteps(Trainer):
+    """What every lossweight ``Trainer`` shares: the Accumulator, a ``training_step`` that
+    ends the step after its last microbatch, and the logged loss. A subclass opens each step
+    (``accumulator.begin``) and scales each loss (``accumulator.scale_loss``) where its trainer
+    knows the counts, and calls :meth:`attach` at the end of its ``__init__``."""
+
+    # training_step must back-propagate the loss as compute_loss returns it: the Accumulator's
+    # factor already weights it against the whole step.
+    loss_is_scaled_for_ga = True
+    accumulator: Accumulator
+    last_result: StepResult | None
+
+    def attach(self, **options: Any) -> None:
+        """Build the Accumulator from ``options`` (``weight_by=`` or ``terms=``) for this
+        trainer, after checking that its parallelism is supported."""
+        _check_supported(self)
+        # What accelerator.backward() divides each loss by (1 under Trainer, which accumulates
+        # itself; DeepSpeed's backward is told not to scale).
+        divides = 1 if _is_deepspeed(self) else int(self.accelerator.gradient_accumulation_steps)
+        self.accumulator = Accumulator(framework_divides_loss_by=divides, **options)
+        self._divides = divides
+        self.last_result = None
+        self._in_training_step = False
+        self._tally = _Tally()
+
+    def training_step(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """The trainer's ``training_step`` with the loss scaled; ends the step after its last
+        microbatch. Returns this microbatch's share of the step's loss on this rank, so that
+        ``Trainer``'s own running loss (``train_loss``) is the weighted mean too."""
+        self._in_training_step = True
+        try:
+            scaled = super().training_step(model, inputs, None)
+        finally:
+            self._in_training_step = False
+        step = self.accumulator.state.step  # the step machine's state: read, never copied
+        if step is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.training_step() ran outside a step: its steps begin "
+                "before the first loss of each optimizer step, from Trainer.train()"
+            )
+        if step.scaled == step.declared:
+            self.last_result = self.accumulator.end()
+            self._tally.add(self.last_result)
+        # The factor carries what accelerator.backward() divides by; the running loss must not.
+        return scaled / self._divides
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Replace the training ``"loss"`` by lossweight's, and add the global counts."""
+        if "loss" in logs:
+            logs.update(self._tally.take())
+        super().log(logs, start_time)
+
+
+class LossweightTrainer(_WeightedSteps):
     """``transformers.Trainer`` whose optimizer steps are weighted by lossweight.
 
     It takes the arguments of ``Trainer``, and ``weight_by``: ``"tokens"`` (each target
@@ -84,24 +142,10 @@ class LossweightTrainer(Trainer):
         last_result: the :class:`lossweight.StepResult` of the last optimizer step, or None.
     """
 
-    # training_step must back-propagate the loss as compute_loss returns it: the Accumulator's
-    # factor already weights it against the whole step.
-    loss_is_scaled_for_ga = True
-
     def __init__(self, *args: Any, weight_by: WeightBy = "tokens", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        _check_supported(self)
-        # What accelerator.backward() divides each loss by (1 under Trainer, which accumulates
-        # itself; DeepSpeed's backward is told not to scale).
-        divides = 1 if _is_deepspeed(self) else int(self.accelerator.gradient_accumulation_steps)
-        self.accumulator = Accumulator(
-            loss_reduction="mean", weight_by=weight_by, framework_divides_loss_by=divides
-        )
-        self._divides = divides
-        self.last_result: StepResult | None = None
+        self.attach(loss_reduction="mean", weight_by=weight_by)
         self._shifts_labels = _loss_shifts_labels(self)
-        self._in_training_step = False
-        self._tally = _Tally()
 
     def get_batch_samples(
         self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
@@ -118,32 +162,6 @@ class LossweightTrainer(Trainer):
             counts = self._counts(batches)
             self.accumulator.begin(**counts, step=self.state.global_step + 1)
         return batches, None
-
-    def training_step(
-        self,
-        model: torch.nn.Module,
-        inputs: dict[str, torch.Tensor | Any],
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ) -> torch.Tensor:
-        """``Trainer.training_step`` with the loss scaled; ends the step after its last
-        microbatch. Returns this microbatch's share of the step's loss on this rank, so that
-        ``Trainer``'s own running loss (``train_loss``) is the weighted mean too."""
-        if not self.accumulator.step_open:
-            raise RuntimeError(
-                "LossweightTrainer.training_step() was called outside a step: its steps begin "
-                "in get_batch_samples(), which Trainer.train() calls for each optimizer step"
-            )
-        self._in_training_step = True
-        try:
-            scaled = super().training_step(model, inputs, None)
-        finally:
-            self._in_training_step = False
-        step = self.accumulator.state.step  # the step machine's state: read, never copied
-        if step is not None and step.scaled == step.declared:
-            self.last_result = self.accumulator.end()
-            self._tally.add(self.last_result)
-        # The factor carries what accelerator.backward() divides by; the running loss must not.
-        return scaled / self._divides
 
     def compute_loss(
         self,
@@ -163,12 +181,6 @@ class LossweightTrainer(Trainer):
             loss, outputs = output
             return self.accumulator.scale_loss(loss), outputs
         return self.accumulator.scale_loss(output)
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Replace the training ``"loss"`` by lossweight's, and add the global counts."""
-        if "loss" in logs:
-            logs.update(self._tally.take())
-        super().log(logs, start_time)
 
     def _counts(self, batches: list[Any]) -> dict[str, list[int] | list[torch.Tensor]]:
         samples: list[int] = []

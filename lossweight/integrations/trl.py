@@ -1,0 +1,247 @@
+"""A TRL ``GRPOTrainer`` whose policy loss does not depend on how the step is split.
+
+Use :class:`LossweightGRPOTrainer` where you use ``trl.GRPOTrainer``, with the same
+arguments::
+
+    trainer = LossweightGRPOTrainer(model=model, reward_funcs=reward, args=config,
+                                    train_dataset=prompts)
+    trainer.train()
+
+Each ``loss_type`` keeps its definition, but over the whole optimizer step, every microbatch
+of every rank together, where ``GRPOTrainer`` normalises parts of it inside each microbatch:
+
+- ``"dapo"`` (TRL's default) and ``"cispo"``: the sum of every completion token's loss over
+  the step's number of completion tokens;
+- ``"grpo"`` and ``"sapo"``: each completion's mean over its tokens, averaged over the step's
+  completions;
+- ``"dr_grpo"``: the sum of every token's loss over ``completions * max_completion_length``;
+- ``"luspo"``: each completion's sum over its tokens, averaged over the step's completions.
+
+A completion counts as one even where every token of it is masked out (by
+``mask_truncated_completions``), as in ``GRPOTrainer``: it adds nothing to the sum and one to
+the number of completions. The entropy bonus (``entropy_coef``) is a second term, the mean
+entropy over the step's completion tokens times ``-entropy_coef``, in the same reduction.
+Both normalisers travel in one all-reduce per step, started when the step's completions are
+generated and overlapping its first forward.
+
+The per-token loss is ``GRPOTrainer``'s: the clipped importance ratio (``epsilon``,
+``epsilon_high``, ``delta``), token or sequence ``importance_sampling_level``, the KL penalty
+(``beta``, ``use_bias_correction_kl``), vLLM's importance-sampling correction and
+``tool_mask``. Refused at construction, each with what to do: ``"bnpo"`` (its normaliser is
+the local batch's by definition; ``"dapo"`` is the same loss over the step), ``"vespo"``,
+``top_entropy_quantile < 1``, ``off_policy_mask_threshold``, ``use_adaptive_entropy``, a
+router auxiliary loss, and a ``steps_per_generation`` that is not a multiple of
+``gradient_accumulation_steps`` (a step's completions must be generated before its first loss,
+so that it can count first).
+
+Logging: each ``"loss"`` that ``Trainer`` logs is lossweight's, the mean of the steps'
+:attr:`lossweight.StepResult.loss` since the last log (policy plus entropy term), and
+``"loss_tokens"`` / ``"loss_samples"`` give the global numbers of completion tokens and
+completions. ``GRPOTrainer``'s generation and reward metrics are logged as before; its
+per-microbatch loss metrics (entropy, clip ratios) are not computed. Evaluation is
+``GRPOTrainer``'s own.
+
+Hooks relied on (trl 1.16): ``_prepare_inputs`` (generates the step's completions and
+buffers them as ``_buffered_inputs``, one dict per microbatch, indexed by ``_step``, the
+microbatch counter) and ``_get_per_token_logps_and_entropies``. Every count a loss is scaled
+with is checked against the one its step began with, so that a change in that buffering fails
+loudly instead of weighting the wrong microbatch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from trl.trainer.grpo_config import GRPOConfig
+from trl.trainer.grpo_trainer import GRPOTrainer
+
+from ..counting import AggregationMode, aggregate
+from ..terms import Term
+from .hf import _WeightedSteps
+
+__all__ = ["LossweightGRPOTrainer"]
+
+# Each supported loss_type: how its per-token losses make a completion's share of the step's
+# loss, and what counts the step's normaliser.
+AGGREGATION: dict[str, tuple[AggregationMode, str]] = {
+    "dapo": ("token-mean", "tokens"),
+    "cispo": ("token-mean", "tokens"),
+    "grpo": ("seq-mean-token-mean", "samples"),
+    "sapo": ("seq-mean-token-mean", "samples"),
+    "dr_grpo": ("seq-mean-token-sum-norm", "samples"),
+    "luspo": ("seq-mean-token-sum", "samples"),
+}
+# What GRPOTrainer's _get_per_token_logps_and_entropies takes from a microbatch, besides ids.
+MODEL_INPUTS = (
+    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+    "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+)  # fmt: skip
+
+
+# TRL's base class declares loss_is_scaled_for_ga = None, _WeightedSteps True: ours wins.
+class LossweightGRPOTrainer(_WeightedSteps, GRPOTrainer):  # type: ignore[misc]
+    """``trl.GRPOTrainer`` whose optimizer steps are weighted by lossweight.
+
+    It takes the arguments of ``GRPOTrainer``.
+
+    Attributes:
+        accumulator: the :class:`lossweight.Accumulator`, with a term ``"policy"`` and, with
+            an entropy bonus, ``"entropy"``.
+        last_result: the :class:`lossweight.StepResult` of the last optimizer step, or None.
+    """
+
+    args: GRPOConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _check_grpo(self)
+        weight_by = AGGREGATION[self.loss_type][1]
+        terms = [Term("policy", "sum", weight_by)]
+        if self.entropy_coef != 0.0:
+            terms.append(Term("entropy", "sum", "tokens"))
+        self.attach(terms=terms)
+
+    def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
+        """``GRPOTrainer``'s microbatch; before the first of a step, its step begins with the
+        counts of every microbatch of the step, generated by then."""
+        inputs: dict[str, Any] = super()._prepare_inputs(generation_batch)
+        if self._in_training_step and not self.accumulator.step_open:
+            buffered = cast(list[dict[str, Any]], self._buffered_inputs)
+            first = self._step % cast(int, self.args.steps_per_generation)
+            needed = self.current_gradient_accumulation_steps
+            microbatches = buffered[first : first + needed]
+            if len(microbatches) < needed:
+                raise RuntimeError(
+                    f"the optimizer step starting at microbatch {first} of the generation batch "
+                    f"needs {needed} microbatches, and "
+                    f"{len(microbatches)} are left in it; make the number of prompts per epoch "
+                    "a multiple of the generation batch"
+                )
+            counts = [_counts(microbatch) for microbatch in microbatches]
+            self.accumulator.begin(
+                num_samples=[samples for samples, _ in counts],
+                num_tokens=[tokens for _, tokens in counts],
+                step=self.state.global_step + 1,
+            )
+        return inputs
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """In a training step, the microbatch's terms scaled by the Accumulator; in
+        evaluation, ``GRPOTrainer.compute_loss`` unchanged."""
+        if not self._in_training_step:
+            loss: torch.Tensor = super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+            return loss
+        mask = _mask(inputs)
+        completion_ids = inputs["completion_ids"]
+        logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model,
+            torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+            completion_ids.size(1),
+            compute_entropy=self.entropy_coef != 0.0,
+            **{name: inputs.get(name) for name in MODEL_INPUTS},
+        )
+        mode = AGGREGATION[self.loss_type][0]
+        max_length = self.max_completion_length if mode.endswith("-norm") else None
+        token_losses = self._token_losses(logps, inputs, mask)
+        policy, _ = aggregate(token_losses, mask, mode=mode, max_length=max_length)
+        losses = {"policy": policy}
+        if self.entropy_coef != 0.0:
+            losses["entropy"] = (
+                -self.entropy_coef * aggregate(entropies, mask, mode="token-mean")[0]
+            )
+        samples, tokens = _counts(inputs)
+        return self.accumulator.scale_loss(losses, num_samples=samples, num_tokens=tokens)
+
+    def _token_losses(
+        self, logps: torch.Tensor, inputs: dict[str, Any], mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Each completion token's loss, as ``GRPOTrainer`` defines it for its loss_type."""
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        old = inputs.get("old_per_token_logps")
+        log_ratio = logps - (logps.detach() if old is None else old)
+        if self.importance_sampling_level == "sequence":
+            log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, True).clamp(min=1)
+        losses: torch.Tensor
+        ratio, args = torch.exp(log_ratio), self.args
+        if self.loss_type == "cispo":
+            losses = -torch.clamp(ratio, max=self.epsilon_high).detach() * advantages * logps
+        elif self.loss_type == "sapo":
+            temperature = torch.where(
+                advantages > 0, args.sapo_temperature_pos, args.sapo_temperature_neg
+            )
+            losses = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantages
+        else:  # the clipped ratio; delta caps the unclipped one from above
+            clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
+            capped = ratio if args.delta is None else torch.clamp(ratio, max=args.delta)
+            losses = -torch.min(capped * advantages, clipped * advantages)
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            losses = losses * inputs["importance_sampling_ratio"]
+        if self.beta != 0.0:
+            to_reference = inputs["ref_per_token_logps"] - logps
+            kl = torch.exp(to_reference) - to_reference - 1
+            if args.use_bias_correction_kl:
+                kl = kl * ratio
+            losses = losses + self.beta * kl
+        return losses.expand_as(mask)
+
+
+def _mask(inputs: dict[str, Any]) -> torch.Tensor:
+    """The completion tokens a loss counts: the completion mask, less tool output."""
+    mask: torch.Tensor = inputs["completion_mask"]
+    tool_mask = inputs.get("tool_mask")
+    return mask if tool_mask is None else mask * tool_mask
+
+
+def _counts(inputs: dict[str, Any]) -> tuple[int, torch.Tensor]:
+    """A microbatch's completions, and its counted completion tokens (on its device)."""
+    mask = _mask(inputs)
+    return int(mask.shape[0]), mask.sum()
+
+
+def _check_grpo(trainer: LossweightGRPOTrainer) -> None:
+    args = trainer.args
+    if trainer.loss_type == "bnpo":
+        raise ValueError(
+            "LossweightGRPOTrainer does not take loss_type='bnpo', whose normaliser is by "
+            "definition the local batch's token count; loss_type='dapo' is the same loss "
+            "normalised by the whole step's token count"
+        )
+    if trainer.loss_type not in AGGREGATION:
+        raise ValueError(
+            f"LossweightGRPOTrainer does not support loss_type={trainer.loss_type!r}; pass one "
+            f"of {', '.join(AGGREGATION)}, or use GRPOTrainer"
+        )
+    refused = {
+        "top_entropy_quantile": args.top_entropy_quantile < 1.0,
+        "off_policy_mask_threshold": args.off_policy_mask_threshold is not None,
+        "use_adaptive_entropy": bool(args.use_adaptive_entropy),
+        "router_aux_loss_coef": bool(trainer.aux_loss_enabled),
+    }
+    for name, set_ in refused.items():
+        if set_:
+            raise ValueError(
+                f"LossweightGRPOTrainer does not support {name}={getattr(args, name)!r}: "
+                "lossweight cannot vouch for its weighting over a split step; leave it at "
+                "its default, or use GRPOTrainer"
+            )
+    accumulated = args.gradient_accumulation_steps
+    generated = cast(int, args.steps_per_generation)
+    if generated % accumulated:
+        raise ValueError(
+            f"LossweightGRPOTrainer needs steps_per_generation ({generated}) to be a multiple "
+            f"of gradient_accumulation_steps ({accumulated}), so that each optimizer step's "
+            "completions are generated before its first loss; set steps_per_generation "
+            f"to {accumulated} (the default) or a multiple of it"
+        )
