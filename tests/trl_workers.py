@@ -118,16 +118,18 @@ def token_terms(model: torch.nn.Module, microbatch: dict[str, torch.Tensor]) -> 
 
 def reference(
     model: torch.nn.Module, microbatches: list[dict[str, torch.Tensor]], options: dict[str, Any]
-) -> tuple[float, list[torch.Tensor]]:
-    """The step's loss and gradient by the loss type's definition over all its completions
-    (every microbatch of every rank): GRPO's clipped importance ratio (to the policy that
-    generated them, or to the policy itself when TRL recorded none), the KL penalty with its
-    importance-ratio correction, TRL's defaults, and the entropy bonus."""
+) -> tuple[dict[str, float], list[torch.Tensor]]:
+    """Each term of the step's loss (and their sum, ``"loss"``) and the gradient of that sum,
+    by the loss type's definition over all the step's completions (every microbatch of every
+    rank): GRPO's clipped importance ratio (to the policy that generated them, or to the policy
+    itself where TRL recorded none), the KL penalty with its importance-ratio correction (TRL's
+    defaults) and the entropy bonus."""
     model = copy.deepcopy(model)
     kind, beta = options["loss_type"], options.get("beta", 0.0)
     low = options.get("epsilon", 0.2)
     high = options.get("epsilon_high") or low
-    sums, tokens, rows, entropy = 0.0, 0.0, 0, 0.0
+    sums: dict[str, Any] = {"policy": 0.0, "kl": 0.0}
+    tokens, rows, entropy = 0.0, 0, 0.0
     for microbatch in microbatches:
         terms = token_terms(model, microbatch)
         logps, mask = terms["logps"], terms["mask"]
@@ -137,16 +139,18 @@ def reference(
         if options.get("importance_sampling_level") == "sequence":
             log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, True).clamp(min=1)
         ratio = torch.exp(log_ratio)
-        per_token = -torch.min(ratio * advantage, ratio.clamp(1 - low, 1 + high) * advantage)
+        per_token = {
+            "policy": -torch.min(ratio * advantage, ratio.clamp(1 - low, 1 + high) * advantage)
+        }
         if beta:
             to_reference = microbatch["ref_per_token_logps"] - logps
-            kl = (torch.exp(to_reference) - to_reference - 1) * ratio
-            per_token = per_token + beta * kl
-        per_token = per_token * mask
-        if kind == "grpo":
-            sums = sums + (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
-        else:
-            sums = sums + per_token.sum()
+            per_token["kl"] = beta * (torch.exp(to_reference) - to_reference - 1) * ratio
+        for name, losses in per_token.items():
+            losses = losses * mask
+            if kind == "grpo":
+                sums[name] = sums[name] + (losses.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
+            else:
+                sums[name] = sums[name] + losses.sum()
         tokens += float(mask.sum())
         rows += mask.shape[0]
         entropy = entropy + (terms["entropy"] * mask).sum()
@@ -156,11 +160,14 @@ def reference(
         "dr_grpo": rows * options["max_completion_length"],
         "luspo": rows,
     }[kind]
-    loss = sums / normaliser
+    losses = {name: total / normaliser for name, total in sums.items() if name == "policy" or beta}
     if options.get("entropy_coef", 0.0):
-        loss = loss - options["entropy_coef"] * entropy / tokens
+        losses["entropy"] = -options["entropy_coef"] * entropy / tokens
+    loss = sum(losses.values())
     loss.backward()
-    return float(loss), gradients(model)
+    return {"loss": float(loss), **{name: float(value) for name, value in losses.items()}}, (
+        gradients(model)
+    )
 
 
 def grpo_run(rank: int, world_size: int, tmp: str) -> dict:
@@ -254,10 +261,12 @@ def grpo_run(rank: int, world_size: int, tmp: str) -> dict:
             microbatches = [m for seen in everyone for s, m in seen if s == step]
             model = copy.deepcopy(base)
             model.load_state_dict(record.parameters[step])
-            loss, grads = reference(model, microbatches, options)
+            terms, grads = reference(model, microbatches, options)
             errors.append(max_relative_error(record.gradients[step], grads))
-            losses.append(logs[step]["loss"])
-            expected.append(loss)
+            # The total, and each term's when there are several (lossweight logs them).
+            names = [name for name in terms if name == "loss" or f"loss/{name}" in logs[step]]
+            losses.append([logs[step]["loss" if n == "loss" else f"loss/{n}"] for n in names])
+            expected.append([terms[name] for name in names])
             tokens.append(logs[step].get("loss_tokens"))
             counted.append(sum(float(m["completion_mask"].sum()) for m in microbatches))
         return {

@@ -61,6 +61,7 @@ from ..result import StepResult
 
 WeightBy = Literal["tokens", "samples"]
 IGNORE_INDEX = -100  # the label of a position without a target, in every Hugging Face loss
+COUNTS = ("loss_tokens", "loss_samples")  # logged beside the loss: the steps' global counts
 
 __all__ = ["LossweightTrainer"]
 
@@ -233,19 +234,21 @@ class _Tally:
         self._waiting: StepResult | None = None
         self._steps = 0
         self._sums: dict[str, torch.Tensor] = {}
+        self._losses: list[str] = []
 
     def add(self, result: StepResult) -> None:
         self._fold()
         self._waiting = result
 
     def take(self) -> dict[str, float]:
-        """The mean loss and the summed counts since the last call; {} if no step ended."""
+        """The mean loss (and each term's, as ``"loss/<term>"``, when a step has several) and
+        the summed counts since the last call; {} if no step ended."""
         self._fold()
         if self._steps == 0:
             return {}
         sums = {name: total.item() for name, total in self._sums.items()}
-        logs = {"loss": sums["loss"] / self._steps}
-        for name in ("loss_tokens", "loss_samples"):
+        logs = {name: total / self._steps for name, total in sums.items() if name in self._losses}
+        for name in COUNTS:
             if sums[name] >= 0:  # -1 where a step did not know it
                 logs[name] = float(sums[name])
         self._steps, self._sums = 0, {}
@@ -255,16 +258,18 @@ class _Tally:
         result, self._waiting = self._waiting, None
         if result is None:
             return
-        values = {
-            "loss": result.loss,
-            "loss_tokens": result.num_tokens,
-            "loss_samples": result.num_samples,
-        }
+        losses = result.losses
+        values = {"loss": result.loss, "loss_tokens": result.num_tokens}
+        values["loss_samples"] = result.num_samples
+        if len(losses) > 1:
+            values.update({f"loss/{name}": loss for name, loss in losses.items()})
+        self._losses = [name for name in values if name not in COUNTS]
         if self._steps == 0:
             self._sums = {name: value.clone() for name, value in values.items()}
         else:
-            self._sums["loss"] = self._sums["loss"] + values["loss"]
-            for name in ("loss_tokens", "loss_samples"):
+            for name in self._losses:
+                self._sums[name] = self._sums[name] + values[name]
+            for name in COUNTS:
                 total, count = self._sums[name], values[name]
                 unknown = (total < 0) | (count < 0)
                 self._sums[name] = torch.where(unknown, -1, total + count)

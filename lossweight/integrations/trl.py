@@ -19,10 +19,11 @@ of every rank together, where ``GRPOTrainer`` normalises parts of it inside each
 
 A completion counts as one even where every token of it is masked out (by
 ``mask_truncated_completions``), as in ``GRPOTrainer``: it adds nothing to the sum and one to
-the number of completions. The entropy bonus (``entropy_coef``) is a second term, the mean
-entropy over the step's completion tokens times ``-entropy_coef``, in the same reduction.
-Both normalisers travel in one all-reduce per step, started when the step's completions are
-generated and overlapping its first forward.
+the number of completions. The terms of a step: ``"policy"``; ``"kl"``, the KL penalty
+(``beta``), with the policy's normaliser; ``"entropy"``, the entropy bonus (``entropy_coef``),
+the mean entropy over the step's completion tokens times ``-entropy_coef``. Their totals travel
+in one all-reduce per step, started when the step's completions are generated and overlapping
+its first forward.
 
 The per-token loss is ``GRPOTrainer``'s: the clipped importance ratio (``epsilon``,
 ``epsilon_high``, ``delta``), token or sequence ``importance_sampling_level``, the KL penalty
@@ -30,26 +31,30 @@ The per-token loss is ``GRPOTrainer``'s: the clipped importance ratio (``epsilon
 ``tool_mask``. Refused at construction, each with what to do: ``"bnpo"`` (its normaliser is
 the local batch's by definition; ``"dapo"`` is the same loss over the step), ``"vespo"``,
 ``top_entropy_quantile < 1``, ``off_policy_mask_threshold``, ``use_adaptive_entropy``, a
-router auxiliary loss, and a ``steps_per_generation`` that is not a multiple of
-``gradient_accumulation_steps`` (a step's completions must be generated before its first loss,
-so that it can count first).
+router auxiliary loss, an override of ``_compute_loss`` (which training does not call), and a
+``steps_per_generation`` that is not a multiple of ``gradient_accumulation_steps`` (a step's
+completions must be generated before its first loss, so that it can count first). Options are
+checked again at each optimizer step; an ``entropy_coef`` may change between nonzero values.
 
 Logging: each ``"loss"`` that ``Trainer`` logs is lossweight's, the mean of the steps'
-:attr:`lossweight.StepResult.loss` since the last log (policy plus entropy term), and
-``"loss_tokens"`` / ``"loss_samples"`` give the global numbers of completion tokens and
-completions. ``GRPOTrainer``'s generation and reward metrics are logged as before; its
-per-microbatch loss metrics (entropy, clip ratios) are not computed. Evaluation is
-``GRPOTrainer``'s own.
+:attr:`lossweight.StepResult.loss` since the last log (the sum of the terms), with each term's
+as ``"loss/policy"``, ``"loss/kl"`` (``beta`` times the step's mean KL) and ``"loss/entropy"``
+when there are several, and ``"loss_tokens"`` / ``"loss_samples"`` give the global numbers of
+completion tokens and completions. ``GRPOTrainer``'s generation and reward metrics are logged
+as before; its per-microbatch loss metrics (``kl``, ``entropy``, the clip ratios) are not
+computed in training. Evaluation is ``GRPOTrainer``'s own.
 
-Hooks relied on (trl 1.16): ``_prepare_inputs`` (generates the step's completions and
-buffers them as ``_buffered_inputs``, one dict per microbatch, indexed by ``_step``, the
-microbatch counter) and ``_get_per_token_logps_and_entropies``. Every count a loss is scaled
+Hooks relied on (trl 1.16): ``get_batch_samples`` (once per optimizer step, from
+``Trainer``), ``_prepare_inputs`` (generates the step's completions and buffers them as
+``_buffered_inputs``, one dict per microbatch, indexed by ``_step``, the microbatch counter)
+and ``_get_per_token_logps_and_entropies``. Every count a loss is scaled
 with is checked against the one its step began with, so that a change in that buffering fails
 loudly instead of weighting the wrong microbatch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -86,8 +91,8 @@ class LossweightGRPOTrainer(_WeightedSteps, GRPOTrainer):  # type: ignore[misc]
     It takes the arguments of ``GRPOTrainer``.
 
     Attributes:
-        accumulator: the :class:`lossweight.Accumulator`, with a term ``"policy"`` and, with
-            an entropy bonus, ``"entropy"``.
+        accumulator: the :class:`lossweight.Accumulator`, with a term ``"policy"``, and
+            ``"kl"`` and ``"entropy"`` with a KL penalty and an entropy bonus.
         last_result: the :class:`lossweight.StepResult` of the last optimizer step, or None.
     """
 
@@ -98,25 +103,43 @@ class LossweightGRPOTrainer(_WeightedSteps, GRPOTrainer):  # type: ignore[misc]
         _check_grpo(self)
         weight_by = AGGREGATION[self.loss_type][1]
         terms = [Term("policy", "sum", weight_by)]
-        if self.entropy_coef != 0.0:
+        if self.beta != 0.0:  # the policy's normaliser; a term of its own to be logged alone
+            terms.append(Term("kl", "sum", weight_by))
+        self._entropy_bonus = self.entropy_coef != 0.0
+        if self._entropy_bonus:
             terms.append(Term("entropy", "sum", "tokens"))
         self.attach(terms=terms)
+        self._step_starts = False
+
+    def get_batch_samples(
+        self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
+    ) -> tuple[list[Any], torch.Tensor | int | None]:
+        """``Trainer``'s batches of an optimizer step; the lossweight step begins at its first
+        microbatch, once ``GRPOTrainer`` has generated the completions."""
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        _check_grpo(self)  # options changed since construction are caught before they train
+        if self.accumulator.step_open:  # a step that an exception or a stop left unfinished
+            self.accumulator.abandon()
+        self._step_starts = bool(batches)  # every rank fetches as many batches as the others
+        return batches, num_items
 
     def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
-        """``GRPOTrainer``'s microbatch; before the first of a step, its step begins with the
-        counts of every microbatch of the step, generated by then."""
+        """``GRPOTrainer``'s microbatch; before the first of an optimizer step, the step begins
+        with the counts of each of its microbatches, generated by then."""
         inputs: dict[str, Any] = super()._prepare_inputs(generation_batch)
-        if self._in_training_step and not self.accumulator.step_open:
+        if self._in_training_step and self._step_starts:
+            self._step_starts = False
             buffered = cast(list[dict[str, Any]], self._buffered_inputs)
             first = self._step % cast(int, self.args.steps_per_generation)
             needed = self.current_gradient_accumulation_steps
             microbatches = buffered[first : first + needed]
             if len(microbatches) < needed:
                 raise RuntimeError(
-                    f"the optimizer step starting at microbatch {first} of the generation batch "
-                    f"needs {needed} microbatches, and "
-                    f"{len(microbatches)} are left in it; make the number of prompts per epoch "
-                    "a multiple of the generation batch"
+                    f"this optimizer step needs {needed} microbatches, and {len(microbatches)} "
+                    f"are left in the generation batch after microbatch {first}: an earlier "
+                    "optimizer step stopped before its last microbatch (an exception, or a "
+                    "callback that stopped the epoch); train on with a new "
+                    "LossweightGRPOTrainer, or resume from a checkpoint"
                 )
             counts = [_counts(microbatch) for microbatch in microbatches]
             self.accumulator.begin(
@@ -140,6 +163,13 @@ class LossweightGRPOTrainer(_WeightedSteps, GRPOTrainer):  # type: ignore[misc]
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
             return loss
+        if (self.entropy_coef != 0.0) != self._entropy_bonus:
+            raise ValueError(
+                f"entropy_coef is {self.entropy_coef!r}, and was "
+                f"{'not ' if self._entropy_bonus else ''}0 when this LossweightGRPOTrainer was "
+                "built: its loss terms are fixed then; change entropy_coef between nonzero "
+                "values only, or build the trainer with the bonus it trains with"
+            )
         mask = _mask(inputs)
         completion_ids = inputs["completion_ids"]
         logps, entropies, _ = self._get_per_token_logps_and_entropies(
@@ -147,25 +177,26 @@ class LossweightGRPOTrainer(_WeightedSteps, GRPOTrainer):  # type: ignore[misc]
             torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
             completion_ids.size(1),
-            compute_entropy=self.entropy_coef != 0.0,
+            compute_entropy=self._entropy_bonus,
             **{name: inputs.get(name) for name in MODEL_INPUTS},
         )
         mode = AGGREGATION[self.loss_type][0]
         max_length = self.max_completion_length if mode.endswith("-norm") else None
-        token_losses = self._token_losses(logps, inputs, mask)
-        policy, _ = aggregate(token_losses, mask, mode=mode, max_length=max_length)
-        losses = {"policy": policy}
-        if self.entropy_coef != 0.0:
-            losses["entropy"] = (
-                -self.entropy_coef * aggregate(entropies, mask, mode="token-mean")[0]
-            )
+        losses = {
+            name: aggregate(token_losses, mask, mode=mode, max_length=max_length)[0]
+            for name, token_losses in self._token_losses(logps, inputs, mask).items()
+        }
+        if self._entropy_bonus:
+            entropy = aggregate(entropies, mask, mode="token-mean")[0]
+            losses["entropy"] = -self.entropy_coef * entropy
         samples, tokens = _counts(inputs)
         return self.accumulator.scale_loss(losses, num_samples=samples, num_tokens=tokens)
 
     def _token_losses(
         self, logps: torch.Tensor, inputs: dict[str, Any], mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Each completion token's loss, as ``GRPOTrainer`` defines it for its loss_type."""
+    ) -> dict[str, torch.Tensor]:
+        """Each completion token's policy loss (and KL penalty, with ``beta``), as
+        ``GRPOTrainer`` defines them for its loss_type."""
         advantages = inputs["advantages"]
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(1)
@@ -188,13 +219,14 @@ class LossweightGRPOTrainer(_WeightedSteps, GRPOTrainer):  # type: ignore[misc]
             losses = -torch.min(capped * advantages, clipped * advantages)
         if self.use_vllm and self.vllm_importance_sampling_correction:
             losses = losses * inputs["importance_sampling_ratio"]
+        terms = {"policy": losses.expand_as(mask)}
         if self.beta != 0.0:
             to_reference = inputs["ref_per_token_logps"] - logps
             kl = torch.exp(to_reference) - to_reference - 1
             if args.use_bias_correction_kl:
                 kl = kl * ratio
-            losses = losses + self.beta * kl
-        return losses.expand_as(mask)
+            terms["kl"] = (self.beta * kl).expand_as(mask)
+        return terms
 
 
 def _mask(inputs: dict[str, Any]) -> torch.Tensor:
@@ -211,7 +243,12 @@ def _counts(inputs: dict[str, Any]) -> tuple[int, torch.Tensor]:
 
 
 def _check_grpo(trainer: LossweightGRPOTrainer) -> None:
-    args = trainer.args
+    if type(trainer)._compute_loss is not GRPOTrainer._compute_loss:
+        raise TypeError(
+            f"{type(trainer).__name__} overrides _compute_loss, which LossweightGRPOTrainer "
+            "does not call in training (it computes GRPOTrainer's loss itself, over the whole "
+            "step); put the change in _get_per_token_logps_and_entropies, or use GRPOTrainer"
+        )
     if trainer.loss_type == "bnpo":
         raise ValueError(
             "LossweightGRPOTrainer does not take loss_type='bnpo', whose normaliser is by "
@@ -223,21 +260,29 @@ def _check_grpo(trainer: LossweightGRPOTrainer) -> None:
             f"LossweightGRPOTrainer does not support loss_type={trainer.loss_type!r}; pass one "
             f"of {', '.join(AGGREGATION)}, or use GRPOTrainer"
         )
-    refused = {
-        "top_entropy_quantile": args.top_entropy_quantile < 1.0,
-        "off_policy_mask_threshold": args.off_policy_mask_threshold is not None,
-        "use_adaptive_entropy": bool(args.use_adaptive_entropy),
-        "router_aux_loss_coef": bool(trainer.aux_loss_enabled),
+    if trainer.importance_sampling_level not in ("token", "sequence"):
+        raise ValueError(
+            f"importance_sampling_level={trainer.importance_sampling_level!r}; pass 'token' or "
+            "'sequence'"
+        )
+    refused = {  # what the trainer uses, set from its GRPOConfig
+        "top_entropy_quantile": (trainer.top_entropy_quantile, 1.0),
+        "off_policy_mask_threshold": (trainer.off_policy_mask_threshold, None),
+        "use_adaptive_entropy": (trainer.use_adaptive_entropy, False),
+        "router_aux_loss_coef": (
+            trainer.router_aux_loss_coef if trainer.aux_loss_enabled else 0.0,
+            0.0,
+        ),
     }
-    for name, set_ in refused.items():
-        if set_:
+    for name, (value, allowed) in refused.items():
+        if value != allowed:
             raise ValueError(
-                f"LossweightGRPOTrainer does not support {name}={getattr(args, name)!r}: "
-                "lossweight cannot vouch for its weighting over a split step; leave it at "
-                "its default, or use GRPOTrainer"
+                f"LossweightGRPOTrainer does not support {name}={value!r}: lossweight cannot "
+                f"vouch for its weighting over a split step; set {name}={allowed!r} in the "
+                "GRPOConfig, or use GRPOTrainer"
             )
-    accumulated = args.gradient_accumulation_steps
-    generated = cast(int, args.steps_per_generation)
+    accumulated = trainer.args.gradient_accumulation_steps
+    generated = cast(int, trainer.args.steps_per_generation)
     if generated % accumulated:
         raise ValueError(
             f"LossweightGRPOTrainer needs steps_per_generation ({generated}) to be a multiple "
