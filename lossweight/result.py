@@ -64,8 +64,8 @@ class StepResult:
     def is_empty(self) -> torch.Tensor:
         """True (a bool tensor) when every term's global weight ``W`` is 0 (a term divided by
         a constant never is): its gradients are zero and its logged loss 0.
-        ``optimizer.step()`` would still apply weight decay and momentum: see docs/usage.md
-        to skip it."""
+        ``optimizer.step()`` would still apply weight decay and momentum: docs/usage.md
+        ("Empty data") says how to skip it."""
         totals = [self._counts.normaliser(term) for term in self._terms]
         return torch.stack(
             [torch.as_tensor(t, device=self._counts.device) == 0 for t in totals]

@@ -29,13 +29,32 @@ def test_every_page_has_examples() -> None:
     assert len(PYTHON_BLOCKS) >= 6
 
 
+# A block whose first line is "# torchrun --nproc_per_node N name.py" is a multi-process
+# script, launched as that line says (with --standalone: a free port for the rendezvous).
+TORCHRUN = re.compile(r"# torchrun --nproc_per_node (\d) \w+\.py\n")
+
+
 @pytest.mark.parametrize("block", PYTHON_BLOCKS)
 def test_python_block_runs_as_a_script(block: str, tmp_path: Path) -> None:
     # Each block runs as its own script, as a reader would save and run it: that is also what
     # lets torch.multiprocessing re-import a block's functions in the processes it spawns.
     script = tmp_path / "example.py"
     script.write_text(block)
-    subprocess.run([sys.executable, str(script)], check=True, cwd=tmp_path, timeout=300)
+    torchrun = TORCHRUN.match(block)
+    launch = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun[1]}"]
+        if torchrun
+        else []
+    )
+    subprocess.run([sys.executable, *launch, str(script)], check=True, cwd=tmp_path, timeout=300)
+
+
+def test_multi_process_examples_are_torchrun_scripts() -> None:
+    # The code shown is what users run: torchrun, not a launcher of the docs' own.
+    for page in PAGES:
+        for block in code_blocks(page, "python"):
+            assert "mp.spawn" not in block or "lossweight.testing" in block, page.name
+            assert ("init_process_group" not in block) or TORCHRUN.match(block), page.name
 
 
 def test_the_readme_loop_is_the_quickstart_script() -> None:

@@ -776,7 +776,7 @@ def test_a_waiting_loss_is_never_reduced_in_another_world(hardening_runs: dict) 
 
 
 def test_a_rank_with_one_step_more_in_all_pairs_by_index_then_times_out() -> None:
-    # The documented limit of step indices (docs/usage.md, "Ranks that disagree"): they count
+    # The documented limit of step indices (docs/distributed.md, "Ranks that disagree"): they count
     # begin() calls, so a rank that re-runs a batch as a step of its own, with nothing else
     # different, is paired with the others' next step, as DDP's gradient all-reduce would pair
     # it; rank 0's steps 2 and 3 then weight rank 1's batches 1 and 2 correctly by their
