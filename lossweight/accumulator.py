@@ -31,9 +31,8 @@ Counts = torch.Tensor | Sequence[Count]
 Losses = torch.Tensor | Mapping[str, torch.Tensor]
 _STATE_FORMAT = 1
 F = TypeVar("F", bound=Callable[..., Any])
-# The open scale-after steps of this process: end() rescales every gradient of their
-# parameters, so no other Accumulator's loss may reach one. A step leaves when it closes, or
-# when its Accumulator is collected.
+# This process's open scale-after steps, whose parameters' gradients end() rescales: no other
+# Accumulator's loss may reach one. A step leaves when it closes or its Accumulator goes.
 _SCALING_AFTER: weakref.WeakSet[ScaleAfter] = weakref.WeakSet()
 
 

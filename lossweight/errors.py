@@ -25,6 +25,7 @@ MESSAGES: dict[str, tuple[type[Exception], str]] = {
     "constant_mean": (ValueError, "Term({name!r}) divides by a constant (weight_by={value!r}) but has loss_reduction='mean'; a constant divides the sum of the term's losses: pass each microbatch's loss as the sum of its items' (loss_reduction='sum'), or weight a mean by a count"),
     "bad_terms": (TypeError, "terms={value!r} is not a non-empty list of lossweight.Term; pass terms=[Term('lm', loss_reduction='sum', weight_by='tokens'), ...]"),
     "terms_named_twice": (ValueError, "the terms are named {names}; give each term its own name"),
+    "too_many_terms": (ValueError, "{count} loss terms; an Accumulator takes at most {most}: add up the losses of terms that share a loss_reduction and a normaliser, which weigh the same as one term"),
     "terms_and_options": (ValueError, "Accumulator() got terms= and {names}; pass loss_reduction and weight_by for one loss, or terms=[...] with them set in each Term"),
     "not_a_collective": (TypeError, "collective={value!r} is not a Collective; implement world_size, device, can_reduce_on() and all_reduce_sum() (see lossweight.Collective)"),
     "collective_class": (TypeError, "collective={value!r} is a class, not a Collective; pass an instance: collective={name}(...)"),

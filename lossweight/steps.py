@@ -1,10 +1,9 @@
 """The tensors of an open step, one class per mode; every number comes from weighting.py.
 
 :class:`CountFirst` knows every count at ``begin()``: its reduction overlaps the first forward,
-and each factor is final. :class:`ScaleAfter` gets the counts with each loss, scales by a
-factor against an estimate ``E`` of ``W``, and at ``end()`` multiplies every gradient by
-``E / W``. The step machine decides which microbatch a call takes; these classes do the
-arithmetic and read nothing back to the host.
+and each factor is final. :class:`ScaleAfter` gets the counts with each loss, scales against an
+estimate ``E`` of ``W``, and at ``end()`` multiplies every gradient by ``E / W``. The step
+machine decides which microbatch a call takes; these classes do the arithmetic, host-sync free.
 """
 
 from __future__ import annotations
@@ -67,8 +66,7 @@ class CountFirst:
         self.cursor: torch.Tensor | None = None
 
     def factors(self) -> Rows:
-        """Every term's factor for every microbatch (float64), made once: the first call waits
-        for the counts."""
+        """Every term's factor for every microbatch (float64), made once; the first waits."""
         if not self._factors:
             self._factors = tuple(
                 weighting.backward_scale(
@@ -222,8 +220,7 @@ class ScaleAfter:
         self.total: torch.Tensor | None = None  # W, once end() has reduced and rescaled
 
     def scale(self, losses: Losses, counts: Mapping[str, Count | None]) -> torch.Tensor:
-        """The terms' losses times their provisional factors ``w * D / E`` (or ``D / E``),
-        summed."""
+        """The terms' losses times their provisional factors ``w * D / E`` (``D / E``), summed."""
         for name, count in counts.items():
             if count is not None:
                 self._counts[name].append(count)

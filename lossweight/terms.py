@@ -23,6 +23,7 @@ COUNTS = ("samples", "tokens", "weight_sum")
 ARGUMENTS = {"samples": "num_samples", "tokens": "num_tokens", "weight_sum": "weight_sum"}
 """The argument of ``begin()`` and ``scale_loss()`` (and field of StepResult) of each count."""
 INTEGER = ("samples", "tokens")
+MOST_TERMS = 8  # every payload has as many loss slots: a length that no rank's terms change
 _POSITIVE = {
     "grad_reduction": "'mean' (the wrapper averages the ranks' gradients, as DDP and FSDP do), "
     "'sum', or the positive number it divides their sum by",
@@ -100,6 +101,8 @@ class Options:
             raise error("bad_terms", value=self.terms)
         if len({term.name for term in self.terms}) < len(self.terms):
             raise error("terms_named_twice", names=[term.name for term in self.terms])
+        if len(self.terms) > MOST_TERMS:
+            raise error("too_many_terms", count=len(self.terms), most=MOST_TERMS)
         choose("loss_logging", self.loss_logging)
         for name, expected in _POSITIVE.items():
             value = getattr(self, name)
@@ -172,8 +175,8 @@ class Layout:
     code per field, then their squares; the high 31-bit limb of each count total (0 for the
     float ``weight_sum``), then the low limbs (the float total itself); for each count, whether
     this rank gave it and whether it had a microbatch that lacked it; then each term's loss sum
-    of this step (from ``losses[False]``), whether each was non-finite (one term count further),
-    and the same two for an earlier step's loss that travels with this one (``losses[True]``).
+    of this step (``losses[False]``) and whether each was non-finite, blocks of MOST_TERMS
+    slots, and the same two for an earlier step's loss that travels with this one (``[True]``).
     The first ``checked`` slots are checked after the sum."""
 
     terms: tuple[Term, ...]
@@ -186,7 +189,7 @@ class Layout:
     length: int = field(init=False)
 
     def __post_init__(self) -> None:
-        start, size, terms = 2 * len(FIELDS), len(COUNTS), len(self.terms)
+        start, size, terms = 2 * len(FIELDS), len(COUNTS), MOST_TERMS
         values = {
             "reported": tuple(c for c in COUNTS if all(t.count != c for t in self.terms)),
             "high": {count: start + i for i, count in enumerate(COUNTS)},

@@ -134,6 +134,18 @@ def _term_names(rank: int, group: dist.ProcessGroup) -> None:
     acc.end()
 
 
+@protocol("term_count")
+def _term_count(rank: int, group: dist.ProcessGroup) -> None:
+    # Rank 1 has one term more: the payloads still have one length, so the ranks disagree in
+    # the terms' digest (an error on every rank) instead of hanging in the all-reduce.
+    terms = [Term("lm", "sum"), Term("aux", "mean", "samples")][: rank + 1]
+    acc, x = Accumulator(group=group, terms=terms), _scalar()
+    acc.begin(num_samples=[1, 2], num_tokens=[3, 4])
+    for loss in (1.0, 2.0):
+        acc.scale_loss({term.name: loss * x for term in terms}).backward()
+    acc.end()
+
+
 @protocol("loss_reduction")
 def _loss_reduction(rank: int, group: dist.ProcessGroup) -> None:
     _options_differ(rank, group, loss_reduction=("mean", "sum"))
@@ -640,6 +652,13 @@ DISAGREEMENTS = {
         [
             ["this rank's are 'lm' (sum, by 'tokens'), 'aux' (mean, by 'samples');"],
             ["this rank's are 'lm' (sum, by 'tokens'), 'kl' (mean, by 'samples');"],
+        ],
+    ),
+    "term_count": (
+        "their loss terms",
+        [
+            ["this rank's are 'lm' (sum, by 'tokens');"],
+            ["this rank's are 'lm' (sum, by 'tokens'), 'aux' (mean, by 'samples');"],
         ],
     ),
     "grad_reduction": (

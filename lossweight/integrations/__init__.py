@@ -5,20 +5,20 @@ one you use.
 
 - :mod:`lossweight.integrations.hf`: :class:`~lossweight.integrations.hf.LossweightTrainer`, a
   Hugging Face ``transformers.Trainer`` that weights every microbatch by its tokens or samples
-  (``pip install "lossweight[hf]"``).
+  (``pip install "/path/to/lossweight[hf]"``).
 - :mod:`lossweight.integrations.trl`:
   :class:`~lossweight.integrations.trl.LossweightGRPOTrainer`, TRL's ``GRPOTrainer`` with each
-  ``loss_type`` defined over the whole step (``pip install "lossweight[trl]"``).
+  ``loss_type`` defined over the whole step (``pip install "/path/to/lossweight[trl]"``).
 - :mod:`lossweight.integrations.accelerate`:
   :class:`~lossweight.integrations.accelerate.AcceleratorAccumulator`, an Accumulator bound to
-  an ``accelerate.Accelerator`` (``pip install "lossweight[accelerate]"``).
+  an ``accelerate.Accelerator`` (``pip install "/path/to/lossweight[accelerate]"``).
 - :mod:`lossweight.integrations.lightning`:
   :class:`~lossweight.integrations.lightning.LossweightCallback`, a Lightning callback for
   automatic optimization (with ``accumulate_grad_batches``) and manual optimization
-  (``pip install "lossweight[lightning]"``).
+  (``pip install "/path/to/lossweight[lightning]"``).
 - :mod:`lossweight.integrations.deepspeed`:
   :class:`~lossweight.integrations.deepspeed.DeepSpeedAccumulator`, an Accumulator bound to a
-  DeepSpeed engine, at every ZeRO stage (``pip install "lossweight[deepspeed]"``).
+  DeepSpeed engine, at every ZeRO stage (``pip install "/path/to/lossweight[deepspeed]"``).
 
 docs/integrations.md has a complete example for each.
 """

@@ -8,7 +8,7 @@
 - :func:`count_collectives`: counts the torch.distributed collectives a block issues (DDP's
   and FSDP's included), to assert what a step costs in communication.
 - :mod:`lossweight.testing.strategies`: hypothesis strategies (splits, counts, padded labels);
-  the only module that imports hypothesis (``pip install "lossweight[testing]"``).
+  the only module that imports hypothesis (``pip install "/path/to/lossweight[testing]"``).
 
 This package is not imported by ``import lossweight``.
 """
