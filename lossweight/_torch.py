@@ -8,6 +8,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.torch_version import TorchVersion
 
 T = TypeVar("T")
@@ -15,6 +17,13 @@ Groups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
 # Before torch 2.9, inductor removed _assert_async from compiled graphs, and on ROCm its
 # device asserts are compiled out: a compiled check there would pass whatever the ranks sent.
 GRAPH_ASSERTS = torch.version.hip is None and TorchVersion(torch.__version__) >= "2.9"
+
+
+def mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The process group over every rank of ``mesh``: its own for one dimension, else the
+    group of its dimensions flattened into one (``DeviceMesh._flatten``, cached by torch; made
+    on every rank of the mesh's root at once, as the first ``begin()`` is)."""
+    return mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
 
 
 def assert_true(flag: torch.Tensor, message: str) -> None:

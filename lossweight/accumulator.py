@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import _torch, machine, payload, terms
 from .collectives import Collective, CollectiveResolver
@@ -57,8 +58,7 @@ def _exclusive(method: F) -> F:
 class Accumulator:
     """Weights each microbatch's loss so that an optimizer step optimises the global mean.
 
-    Count first (the counts come from the batch), or scale after (``begin(parameters=...)``,
-    each microbatch's count given to ``scale_loss()``, and ``end()`` rescales the gradients)::
+    Count first, or scale after (``begin(parameters=...)``, counts given to ``scale_loss()``)::
 
         acc.begin(num_tokens=[...])         # this rank's count per microbatch
         for batch in microbatches:
@@ -78,7 +78,8 @@ class Accumulator:
             ``scale_loss({"lm": lm, "aux": aux})``; ``result.losses``, each term's loss).
         grad_reduction: how the data-parallel wrapper combines the ranks' gradients:
             ``"mean"`` (DDP, FSDP), ``"sum"``, or the number it divides their sum by.
-        group: the data-parallel process group (default: the default group, at each begin()).
+        group: the ranks holding different data (default: the default group, at each begin()):
+            a process group, or a ``DeviceMesh`` of them, ``mesh["dp"]``, ``mesh["dp", "cp"]``.
         collective: a :class:`Collective` to reduce with instead of a process group.
         loss_logging: ``"end"`` (``end()`` reduces a count-first step's loss: one more
             all-reduce) or ``"next_step"`` (it travels with the next reduction, or ``flush()``).
@@ -98,7 +99,7 @@ class Accumulator:
         weight_by: WeightBy | float | None = None,
         terms: Sequence[Term] | None = None,
         grad_reduction: GradReduction | float = "mean",
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | DeviceMesh | None = None,
         collective: Collective | None = None,
         loss_logging: LossLogging = "end",
         weight_estimate: float = 1.0,

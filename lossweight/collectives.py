@@ -9,6 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import _torch
 from .errors import error
@@ -62,6 +63,8 @@ class SingleProcess:
 
 
 _SINGLE_PROCESS = SingleProcess()
+# Mesh dimensions whose ranks hold the same data: tensor, expert-tensor and pipeline parallel.
+_MODEL_PARALLEL = ("tp", "etp", "pp")
 # Device types each torch.distributed backend reduces on.
 _BACKEND_DEVICE_TYPES = {"gloo": ("cpu",), "nccl": ("cuda",), "xccl": ("xpu",), "mpi": ("cpu",)}
 
@@ -101,21 +104,30 @@ class ProcessGroupCollective:
 
 class CollectiveResolver:
     """Finds the collective of a step when the step begins, not when the Accumulator is made:
-    one given explicitly (or its group), else the default group if torch.distributed is
-    initialized (cached until it changes), else a single process. So an Accumulator made before
-    ``init_process_group()``, or restored into a job of another size, reduces over the world
-    that exists when its step begins."""
+    one given explicitly (or its group, or the group over a ``DeviceMesh``'s ranks), else the
+    default group if torch.distributed is initialized (cached until it changes), else a single
+    process. So an Accumulator made before ``init_process_group()``, or restored into a job of
+    another size, reduces over the world that exists when its step begins."""
 
-    def __init__(self, group: dist.ProcessGroup | None, collective: Collective | None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | DeviceMesh | None, collective: Collective | None
+    ) -> None:
         if collective is not None and group is not None:
             raise error("group_and_collective", group=group, collective=collective)
+        if isinstance(group, DeviceMesh):
+            names = group.mesh_dim_names or ()
+            if group.ndim > 1 and len(names) < group.ndim:
+                raise error("mesh_unnamed", mesh=group)
+            for name in names:
+                if set(name.split("_")) & set(_MODEL_PARALLEL):
+                    raise error("mesh_model_parallel", mesh=group, name=name)
         if isinstance(collective, type):
             raise error("collective_class", value=collective, name=collective.__name__)
         if collective is not None and not isinstance(collective, Collective):
             raise error("not_a_collective", value=collective)
         self.explicit = collective is not None or group is not None
         self._group, self._given = group, collective
-        self._cached: tuple[object, Collective] | None = None
+        self._cached: tuple[object, ProcessGroupCollective] | None = None
 
     def resolve(self) -> Collective:
         """The collective to reduce this step over, its world size checked."""
@@ -130,14 +142,17 @@ class CollectiveResolver:
             if self._group is not None:
                 raise error("no_process_group", group=self._group)
             return _SINGLE_PROCESS
-        if self._group is not None:
-            try:  # get_backend() raises for a group torch no longer knows
-                dist.get_backend(self._group)
-            except ValueError:
-                raise error("group_destroyed", group=self._group) from None
         key = self._group if self._group is not None else dist.group.WORLD
         if self._cached is None or self._cached[0] is not key:
-            self._cached = (key, ProcessGroupCollective(self._group))
+            group = self._group
+            if isinstance(group, DeviceMesh):
+                group = _torch.mesh_group(group)
+            self._cached = (key, ProcessGroupCollective(group))
+        if (group := self._cached[1].group) is not None:
+            try:  # get_backend() raises for a group torch no longer knows
+                dist.get_backend(group)
+            except ValueError:
+                raise error("group_destroyed", group=self._group) from None
         return self._cached[1]
 
 

@@ -29,6 +29,8 @@ MESSAGES: dict[str, tuple[type[Exception], str]] = {
     "terms_and_options": (ValueError, "Accumulator() got terms= and {names}; pass loss_reduction and weight_by for one loss, or terms=[...] with them set in each Term"),
     "not_a_collective": (TypeError, "collective={value!r} is not a Collective; implement world_size, device, can_reduce_on() and all_reduce_sum() (see lossweight.Collective)"),
     "collective_class": (TypeError, "collective={value!r} is a class, not a Collective; pass an instance: collective={name}(...)"),
+    "mesh_unnamed": (ValueError, "group={mesh!r} is a DeviceMesh of several dimensions without names; name them (init_device_mesh(..., mesh_dim_names=('dp', 'cp'))), so that its ranks can be flattened into one group"),
+    "mesh_model_parallel": (ValueError, "group={mesh!r} has the mesh dimension {name!r}, whose ranks hold the same data (tensor or pipeline parallel): counting over it would count each item once per rank of it; pass the data-parallel dimensions only, such as group=mesh['dp', 'cp']"),
     "group_and_collective": (ValueError, "group={group!r} and collective={collective!r} were both given; pass one: group for a torch.distributed process group, collective for anything else"),
     "no_process_group": (RuntimeError, "group={group!r} was given but torch.distributed is not initialized; call torch.distributed.init_process_group() before the first begin(), or pass group=None for a single process"),
     "group_destroyed": (RuntimeError, "group={group!r} was destroyed (torch.distributed.destroy_process_group()) after this Accumulator was given it; pass a live group: make a new Accumulator with group= the new group (its state carries over with state_dict())"),

@@ -1,0 +1,197 @@
+"""What each of the 4 processes of tests/test_mesh.py runs: lossweight with ``group=`` a
+``DeviceMesh``, in three layouts of the same 4 gloo ranks, each a 2 x 2 mesh:
+
+- ``"dp x cp"``: DDP over the dp and cp dimensions flattened; each cp rank holds one half of
+  the positions of every sequence of its dp rank (a model that computes each token on its own,
+  embedding and MLP, makes a sharded sequence exact); counts over ``mesh["dp", "cp"]``;
+- ``"hsdp"``: FSDP2 over a (replicate, shard) mesh, every rank with data of its own; counts over
+  the whole mesh;
+- ``"dp x tp"``: the MLP tensor-parallel over ``"tp"`` (column-wise, then row-wise), FSDP2 over
+  ``"dp"``; both tp ranks of a dp rank hold its data; counts over ``mesh["dp"]``.
+
+The data are uneven over the dp ranks (more microbatches, more tokens), and each layout has a
+microbatch without any token on some rank. Each layout runs one step counting first and one
+scaling after, and returns the relative error of the full gradient (a DTensor's gathered)
+against the single-process fp64 full batch, and the logged loss and count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+import lossweight
+
+from .problem import max_relative_error
+
+VOCABULARY, WIDTH, LENGTH = 11, 6, 8
+LAYOUTS = ("dp x cp", "hsdp", "dp x tp")
+MODES = ("count-first", "scale-after")
+
+
+class TokenModel(torch.nn.Module):
+    """Each position's logits from its own token only: sharding a sequence over ranks is exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCABULARY, WIDTH, dtype=torch.float64)
+        self.up = torch.nn.Linear(WIDTH, 2 * WIDTH, dtype=torch.float64)
+        self.down = torch.nn.Linear(2 * WIDTH, VOCABULARY, dtype=torch.float64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(self.embed(tokens))))
+
+
+def microbatch(seed: int, rows: int, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and labels of ``rows`` sequences padded to LENGTH (label -100 past each length)."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCABULARY, (rows, LENGTH), generator=generator)
+    labels = torch.randint(0, VOCABULARY, (rows, LENGTH), generator=generator)
+    kept = torch.arange(LENGTH) < torch.tensor(lengths)[:, None]
+    return tokens, labels.masked_fill(~kept, -100)
+
+
+# Each data holder's microbatches, as (seed, rows, lengths): dp rank 0 of "dp x cp" has three
+# microbatches, dp rank 1 one; a length of at most 4 leaves the second half of the positions
+# (cp rank 1's) without a token.
+DATA: dict[str, list[list[tuple[int, int, list[int]]]]] = {
+    "dp x cp": [
+        [(1, 2, [8, 3]), (2, 2, [2, 4]), (3, 2, [6, 7])],
+        [(4, 2, [8, 5])],
+    ],
+    "hsdp": [  # FSDP2 gathers the parameters in every forward: as many microbatches each
+        [(5, 2, [8, 7]), (6, 2, [1, 2])],
+        [(7, 2, [3, 0]), (8, 2, [0, 0])],
+        [(9, 2, [8, 8]), (10, 2, [8, 6])],
+        [(11, 2, [2, 2]), (12, 2, [5, 1])],
+    ],
+    "dp x tp": [
+        [(13, 2, [8, 1]), (14, 2, [0, 0])],
+        [(15, 2, [7, 6]), (16, 2, [8, 8])],
+    ],
+}
+
+
+def reference(model: torch.nn.Module, layout: str) -> dict[str, Any]:
+    """The full batch's token-mean loss, count and gradient, in one process."""
+    model = copy.deepcopy(model)
+    pieces = [microbatch(*spec) for holder in DATA[layout] for spec in holder]
+    tokens = torch.cat([t for t, _ in pieces])
+    labels = torch.cat([y for _, y in pieces])
+    loss_sum, count = lossweight.token_cross_entropy(model(tokens), labels)
+    (loss_sum / count).backward()
+    return {
+        "loss": (loss_sum / count).item(),
+        "tokens": count.item(),
+        "grads": [p.grad.detach().clone() for p in model.parameters()],
+    }
+
+
+def full(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    if grad is None:
+        return torch.zeros_like(like)
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+
+def step(
+    model: torch.nn.Module,
+    acc: lossweight.Accumulator,
+    pieces: list[tuple[torch.Tensor, torch.Tensor]],
+    mode: str,
+    sync: Any,
+) -> lossweight.StepResult:
+    """One step over this rank's microbatches; ``sync(last)`` gives the wrapper's context."""
+    if mode == "count-first":
+        acc.begin(num_tokens=[lossweight.count_tokens(y) for _, y in pieces])
+    else:
+        acc.begin(parameters=model)
+    for i, (tokens, labels) in enumerate(pieces):
+        with sync(i == len(pieces) - 1):
+            loss_sum, count = lossweight.token_cross_entropy(model(tokens), labels)
+            counts = {"num_tokens": count} if mode == "scale-after" else {}
+            acc.scale_loss(loss_sum, **counts).backward()
+    return acc.end()
+
+
+def run(rank: int, world_size: int) -> dict:
+    assert world_size == 4
+    torch.manual_seed(0)
+    base = TokenModel()
+    outcome: dict[str, Any] = {}
+    for layout in LAYOUTS:
+        expected = reference(base, layout)
+        for mode in MODES:
+            result, model = _layout_step(layout, mode, base)
+            grads = [full(p.grad, p) for p in model.parameters()]
+            outcome[f"{layout}/{mode}"] = {
+                "relative_error": max_relative_error(grads, expected["grads"]),
+                "loss": result.loss.item(),
+                "tokens": result.num_tokens.item(),
+                "expected_loss": expected["loss"],
+                "expected_tokens": expected["tokens"],
+            }
+    for name, mesh in {
+        "tp_refused": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
+        "unnamed_refused": init_device_mesh("cpu", (2, 2)),
+    }.items():
+        try:
+            lossweight.Accumulator(loss_reduction="sum", group=mesh)
+        except ValueError as refused:
+            outcome[name] = str(refused)
+    return outcome
+
+
+def _layout_step(
+    layout: str, mode: str, base: torch.nn.Module
+) -> tuple[lossweight.StepResult, torch.nn.Module]:
+    model = copy.deepcopy(base)
+    acc = lossweight.Accumulator(loss_reduction="sum")  # the group is set per layout below
+    if layout == "dp x cp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        dp, cp = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
+        half = slice(cp * LENGTH // 2, (cp + 1) * LENGTH // 2)
+        pieces = [(t[:, half], y[:, half]) for t, y in map(_unpack, DATA[layout][dp])]
+        wrapped = DistributedDataParallel(model, device_mesh=mesh["dp", "cp"]._flatten())
+        acc = lossweight.Accumulator(loss_reduction="sum", group=mesh["dp", "cp"])
+
+        def sync(last: bool) -> Any:
+            return contextlib.nullcontext() if last else wrapped.no_sync()
+
+        result = step(wrapped, acc, pieces, mode, sync)
+        return result, wrapped.module
+    if layout == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        pieces = [_unpack(spec) for spec in DATA[layout][dist.get_rank()]]
+        for layer in (model.embed, model.up, model.down):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        acc = lossweight.Accumulator(loss_reduction="sum", group=mesh)
+    else:  # dp x tp
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dp = mesh["dp"].get_local_rank()
+        pieces = [_unpack(spec) for spec in DATA[layout][dp]]
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        acc = lossweight.Accumulator(loss_reduction="sum", group=mesh["dp"])
+
+    def fsdp_sync(last: bool) -> Any:
+        model.set_requires_gradient_sync(last)  # type: ignore[operator]
+        return contextlib.nullcontext()
+
+    return step(model, acc, pieces, mode, fsdp_sync), model
+
+
+def _unpack(spec: tuple[int, int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return microbatch(*spec)
