@@ -137,6 +137,7 @@ def aggregate(
     max_length: int | None = None,
     position_ids: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    positions: slice | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(a microbatch's share of the step's loss numerator, its count) for per-token losses
     (a policy-gradient loss, say) aggregated as RL trainers do, but over the whole step.
@@ -154,7 +155,15 @@ def aggregate(
 
     The three ``seq-mean`` modes count sequences: ``weight_by="samples"``,
     ``loss_reduction="sum"``. A sequence never spans microbatches, so each is exact for any
-    split. The sum is float32 at least; nothing is read back to the host."""
+    split. The sum is float32 at least; nothing is read back to the host.
+
+    Context parallelism, where each rank holds some positions of every sequence: pass the whole
+    ``mask`` (and ``position_ids``) and the ``positions`` this rank's ``token_losses`` are of
+    (a slice, or a 1-D tensor of indices of the last dimension). A sequence's mean is then over
+    all its tokens; summed over the ranks, the numerators are the unsharded ones, and so are
+    the counts: tokens, or, for the ``seq-mean`` modes, each sequence's share held here (its
+    tokens here over all its tokens), a float64 to give as ``weight_sum`` (a Term weighted by
+    ``"weight_sum"``), so that every rank that holds part of a sequence weighs its part."""
     if mode not in _WEIGHT_BY:
         raise ValueError(f"mode={mode!r} is not supported; pass one of {', '.join(_WEIGHT_BY)}")
     norm = mode == "seq-mean-token-sum-norm"
@@ -165,28 +174,43 @@ def aggregate(
         )
     if norm and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
         raise ValueError(f"max_length={max_length!r}; pass a positive int")
-    if token_losses.shape != mask.shape:
-        raise ValueError(
-            f"token_losses has shape {tuple(token_losses.shape)} but mask "
-            f"{tuple(mask.shape)}; pass one loss per token, of the mask's shape"
-        )
     if mask.dim() == 0:
         raise ValueError("mask is a 0-dim tensor; pass a mask of shape (..., sequence)")
+    expected: tuple[int, ...] = tuple(mask.shape)
+    if positions is not None:
+        held = torch.zeros(mask.shape[-1], dtype=torch.bool, device=mask.device)
+        held[positions] = True
+        expected = (*mask.shape[:-1], int(torch.arange(mask.shape[-1])[positions].numel()))
+    if token_losses.shape != expected:
+        raise ValueError(
+            f"token_losses has shape {tuple(token_losses.shape)} but mask "
+            f"{tuple(mask.shape)}{'' if positions is None else f' at positions={positions!r}'}"
+            "; pass one loss per token of the mask (at the positions given)"
+        )
     _torch.assert_true(
         ((mask == 0) | (mask == 1)).all(),
         "mask holds values other than 0 and 1; pass 1 where a token counts, 0 where it does not",
     )
     targets = mask != 0
     starts = _sequence_starts(targets, position_ids, cu_seqlens, name="mask")
-    sizes, first = _sequences(targets, starts, sizes=mode == "seq-mean-token-mean")
+    sequence_mode = mode != "token-mean"
+    shared = sequence_mode and positions is not None
+    sizes, first = _sequences(targets, starts, sizes=mode == "seq-mean-token-mean" or shared)
     losses = token_losses.to(torch.promote_types(token_losses.dtype, torch.float32))
+    if positions is not None:  # this rank's losses in place; the others' positions add 0
+        placed = losses.new_zeros(mask.shape)
+        placed[..., held] = losses
+        losses, targets = placed, targets & held
+    count = (first if sequence_mode else targets).sum()
     if sizes is not None:
-        losses = losses / sizes.clamp(min=1)
-    elif norm:
+        if shared:  # each sequence's share held here: its held tokens over all its tokens
+            count = torch.where(targets, sizes.clamp(min=1).double().reciprocal(), 0.0).sum()
+        if mode == "seq-mean-token-mean":
+            losses = losses / sizes.clamp(min=1)
+    if norm:
         losses = losses / max_length  # type: ignore[operator]
     # torch.where takes neither the value nor the gradient of a masked-out loss (a NaN included).
-    total = torch.where(targets, losses, 0.0).sum()
-    return total, (targets if mode == "token-mean" else first).sum()
+    return torch.where(targets, losses, 0.0).sum(), count
 
 
 def _sequences(

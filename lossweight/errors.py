@@ -18,7 +18,7 @@ class DisagreementError(RuntimeError):
 # fmt: off
 MESSAGES: dict[str, tuple[type[Exception], str]] = {
     # Options and the world.
-    "no_loss_reduction": (TypeError, "Accumulator() needs loss_reduction: 'sum' if each loss you pass is the sum of its items' losses (lossweight.token_cross_entropy returns a sum), 'mean' if it is their mean (F.cross_entropy's default reduction)"),
+    "no_loss_reduction": (TypeError, "Accumulator() needs loss_reduction: 'sum' if each loss you pass is the sum of its items' losses (lossweight.token_cross_entropy returns a sum), 'mean' if it is their mean (F.cross_entropy's default reduction); or terms=[lossweight.Term(...), ...] for several loss terms"),
     "bad_option": (ValueError, "{name}={value!r} is not supported; pass {expected}"),
     "bad_term_name": (ValueError, "Term(name={value!r}): a term's name must be a non-empty string, its key in the dict of losses scale_loss() takes and in StepResult.losses"),
     "bad_weight_by": (ValueError, "weight_by={value!r} is not supported; pass 'tokens', 'samples', 'weight_sum' (each microbatch gives the sum of its items' float weights), or a positive number, a constant that the sum of the losses is divided by"),

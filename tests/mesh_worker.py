@@ -4,6 +4,9 @@
 - ``"dp x cp"``: DDP over the dp and cp dimensions flattened; each cp rank holds one half of
   the positions of every sequence of its dp rank (a model that computes each token on its own,
   embedding and MLP, makes a sharded sequence exact); counts over ``mesh["dp", "cp"]``;
+- ``"dp x cp, sequence mean"``: the same, with a loss that is each sequence's token mean,
+  averaged over the sequences (``aggregate(..., positions=...)``: every cp rank weighs its
+  share of each sequence, so that a sequence counts once);
 - ``"hsdp"``: FSDP2 over a (replicate, shard) mesh, every rank with data of its own; counts over
   the whole mesh;
 - ``"dp x tp"``: the MLP tensor-parallel over ``"tp"`` (column-wise, then row-wise), FSDP2 over
@@ -37,7 +40,7 @@ import lossweight
 from .problem import max_relative_error
 
 VOCABULARY, WIDTH, LENGTH = 11, 6, 8
-LAYOUTS = ("dp x cp", "hsdp", "dp x tp")
+LAYOUTS = ("dp x cp", "dp x cp, sequence mean", "hsdp", "dp x tp")
 MODES = ("count-first", "scale-after")
 
 
@@ -85,15 +88,25 @@ DATA: dict[str, list[list[tuple[int, int, list[int]]]]] = {
 
 
 def reference(model: torch.nn.Module, layout: str) -> dict[str, Any]:
-    """The full batch's token-mean loss, count and gradient, in one process."""
+    """The full batch's loss (its token mean, or its sequences' mean of their token means),
+    count and gradient, in one process."""
     model = copy.deepcopy(model)
-    pieces = [microbatch(*spec) for holder in DATA[layout] for spec in holder]
+    data = DATA["dp x cp" if layout.startswith("dp x cp") else layout]
+    pieces = [microbatch(*spec) for holder in data for spec in holder]
     tokens = torch.cat([t for t, _ in pieces])
     labels = torch.cat([y for _, y in pieces])
     loss_sum, count = lossweight.token_cross_entropy(model(tokens), labels)
-    (loss_sum / count).backward()
+    loss = loss_sum / count
+    if layout.endswith("sequence mean"):
+        per_token = torch.nn.functional.cross_entropy(
+            model(tokens).transpose(1, 2), labels, reduction="none"
+        )
+        kept = labels != -100
+        means = [per_token[i][kept[i]].mean() for i in range(len(labels)) if kept[i].any()]
+        loss, count = torch.stack(means).mean(), torch.tensor(len(means))
+    loss.backward()
     return {
-        "loss": (loss_sum / count).item(),
+        "loss": loss.item(),
         "tokens": count.item(),
         "grads": [p.grad.detach().clone() for p in model.parameters()],
     }
@@ -105,23 +118,32 @@ def full(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
 
 
+def token_mean(
+    model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss_sum, count = lossweight.token_cross_entropy(model(tokens), labels)
+    return loss_sum, {"num_tokens": count}
+
+
 def step(
     model: torch.nn.Module,
     acc: lossweight.Accumulator,
     pieces: list[tuple[torch.Tensor, torch.Tensor]],
     mode: str,
     sync: Any,
+    loss_of: Any = token_mean,
 ) -> lossweight.StepResult:
-    """One step over this rank's microbatches; ``sync(last)`` gives the wrapper's context."""
+    """One step over this rank's microbatches; ``sync(last)`` gives the wrapper's context,
+    ``loss_of(model, tokens, labels)`` a microbatch's summed loss and its counts."""
     if mode == "count-first":
-        acc.begin(num_tokens=[lossweight.count_tokens(y) for _, y in pieces])
+        counts = [loss_of(lambda t: torch.zeros(*t.shape, VOCABULARY), t, y)[1] for t, y in pieces]
+        acc.begin(**{name: [c[name] for c in counts] for name in counts[0]})
     else:
         acc.begin(parameters=model)
     for i, (tokens, labels) in enumerate(pieces):
         with sync(i == len(pieces) - 1):
-            loss_sum, count = lossweight.token_cross_entropy(model(tokens), labels)
-            counts = {"num_tokens": count} if mode == "scale-after" else {}
-            acc.scale_loss(loss_sum, **counts).backward()
+            loss_sum, counts = loss_of(model, tokens, labels)
+            acc.scale_loss(loss_sum, **(counts if mode == "scale-after" else {})).backward()
     return acc.end()
 
 
@@ -135,10 +157,11 @@ def run(rank: int, world_size: int) -> dict:
         for mode in MODES:
             result, model = _layout_step(layout, mode, base)
             grads = [full(p.grad, p) for p in model.parameters()]
+            sequences = layout.endswith("sequence mean")
             outcome[f"{layout}/{mode}"] = {
                 "relative_error": max_relative_error(grads, expected["grads"]),
                 "loss": result.loss.item(),
-                "tokens": result.num_tokens.item(),
+                "tokens": (result.weight_sum if sequences else result.num_tokens).item(),
                 "expected_loss": expected["loss"],
                 "expected_tokens": expected["tokens"],
             }
@@ -158,19 +181,37 @@ def _layout_step(
 ) -> tuple[lossweight.StepResult, torch.nn.Module]:
     model = copy.deepcopy(base)
     acc = lossweight.Accumulator(loss_reduction="sum")  # the group is set per layout below
-    if layout == "dp x cp":
+    if layout.startswith("dp x cp"):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
         dp, cp = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
         half = slice(cp * LENGTH // 2, (cp + 1) * LENGTH // 2)
-        pieces = [(t[:, half], y[:, half]) for t, y in map(_unpack, DATA[layout][dp])]
         wrapped = DistributedDataParallel(model, device_mesh=mesh["dp", "cp"]._flatten())
-        acc = lossweight.Accumulator(loss_reduction="sum", group=mesh["dp", "cp"])
 
         def sync(last: bool) -> Any:
             return contextlib.nullcontext() if last else wrapped.no_sync()
 
-        result = step(wrapped, acc, pieces, mode, sync)
-        return result, wrapped.module
+        if layout == "dp x cp":
+            pieces = [(t[:, half], y[:, half]) for t, y in map(_unpack, DATA[layout][dp])]
+            acc = lossweight.Accumulator(loss_reduction="sum", group=mesh["dp", "cp"])
+            return step(wrapped, acc, pieces, mode, sync), wrapped.module
+
+        def sequence_mean(
+            model: Any, tokens: torch.Tensor, labels: torch.Tensor
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            # This rank's half of each sequence; the whole mask gives each sequence's size.
+            per_token = torch.nn.functional.cross_entropy(
+                model(tokens[:, half]).transpose(1, 2), labels[:, half].clamp(min=0),
+                reduction="none",
+            )  # fmt: skip
+            loss, share = lossweight.aggregate(
+                per_token, (labels != -100).long(), mode="seq-mean-token-mean", positions=half
+            )
+            return loss, {"weight_sum": share}
+
+        pieces = list(map(_unpack, DATA["dp x cp"][dp]))
+        terms = [lossweight.Term("loss", "sum", "weight_sum")]
+        acc = lossweight.Accumulator(terms=terms, group=mesh["dp", "cp"])
+        return step(wrapped, acc, pieces, mode, sync, sequence_mean), wrapped.module
     if layout == "hsdp":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         pieces = [_unpack(spec) for spec in DATA[layout][dist.get_rank()]]

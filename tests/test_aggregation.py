@@ -94,36 +94,50 @@ def tensors(rows: list[list[tuple[int, int, bool, int]]], length: int) -> tuple[
     return index.long(), coefficient.double(), mask.long(), position.long()
 
 
-@settings(max_examples=250, deadline=None)
-@given(steps())
-def test_every_mode_is_the_definition_over_the_whole_step(step: dict) -> None:
+def check_step(step: dict, shards: list[list[int]]) -> None:
+    """Run ``step`` on its ranks, each split further into context-parallel ranks that hold
+    the positions of ``shards`` (of every row), and compare with the definition."""
     mode, length, count_first = step["mode"], step["length"], step["count_first"]
     extra = {"max_length": MAX_LENGTH} if mode.endswith("-norm") else {}
+    # Sharded, a sequence-level mode counts each rank's share of a sequence: a float weight.
     weight_by = "tokens" if mode == "token-mean" else "samples"
+    if len(shards) > 1 and mode != "token-mean":
+        weight_by = "weight_sum"
+    argument = {"tokens": "num_tokens", "samples": "num_samples"}.get(weight_by, weight_by)
 
     def rank_step(rank: int, collective: InProcessCollective) -> tuple[torch.Tensor, float]:
+        data_rank, held = divmod(rank, len(shards))
+        positions = torch.tensor(shards[held], dtype=torch.int64)
+        sharded = {"positions": positions} if len(shards) > 1 else {}
         theta = torch.ones(step["tokens"], dtype=torch.float64, requires_grad=True)
         acc = Accumulator(weight_by=weight_by, loss_reduction="sum", collective=collective)  # type: ignore[arg-type]
-        microbatches = [tensors(rows, length) for rows in step["shares"][rank]]
+        microbatches = [tensors(rows, length) for rows in step["shares"][data_rank]]
         if count_first:
             # The count depends on the mask alone: aggregate it over zero losses.
             counts = [
-                aggregate(torch.zeros(m.shape), m, mode=mode, position_ids=p, **extra)[1]
+                aggregate(
+                    torch.zeros(*m.shape[:-1], len(positions) if sharded else m.shape[-1]),
+                    m, mode=mode, position_ids=p, **extra, **sharded,
+                )[1]
                 for _, _, m, p in microbatches
-            ]
-            acc.begin(**{f"num_{weight_by}": counts})
+            ]  # fmt: skip
+            acc.begin(**{argument: counts})
         else:
             acc.begin(parameters=[theta])
         for index, coefficient, mask, position in microbatches:
             token_losses = theta[index] * coefficient
-            loss, count = aggregate(token_losses, mask, mode=mode, position_ids=position, **extra)
-            given = {} if count_first else {f"num_{weight_by}": count}
+            if sharded:  # this rank's positions of every row, as context parallelism holds them
+                token_losses = token_losses[..., positions]
+            loss, count = aggregate(
+                token_losses, mask, mode=mode, position_ids=position, **extra, **sharded
+            )
+            given = {} if count_first else {argument: count}
             acc.scale_loss(loss, **given).backward()
         result = acc.end()
         grad = theta.grad if theta.grad is not None else torch.zeros_like(theta)
         return grad, result.loss.item()
 
-    ranks = InProcessGroup(len(step["shares"])).run(rank_step)
+    ranks = InProcessGroup(len(step["shares"]) * len(shards)).run(rank_step)
     grad = torch.stack([g for g, _ in ranks]).mean(0)  # as DDP averages the ranks' gradients
     weights = definition(mode, step["sequences"])
     coefficients = [c for s in step["sequences"] for c, _ in s]
@@ -134,6 +148,32 @@ def test_every_mode_is_the_definition_over_the_whole_step(step: dict) -> None:
     logged = float(sum(w * c for w, c in zip(weights, coefficients, strict=True)))
     for _, loss in ranks:  # every rank logs the step's loss
         assert loss == pytest.approx(logged, rel=1e-12, abs=1e-14)
+
+
+@settings(max_examples=250, deadline=None)
+@given(steps())
+def test_every_mode_is_the_definition_over_the_whole_step(step: dict) -> None:
+    check_step(step, [list(range(step["length"]))])
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps(), st.data())
+def test_context_parallel_ranks_give_the_definition_too(step: dict, data: st.DataObject) -> None:
+    # Each data rank's microbatches are split again over 2 or 3 context-parallel ranks, each
+    # holding some positions of every row (contiguous, round-robin or any: a rank may hold none),
+    # and a sequence's tokens, packed or not, fall on several of them.
+    shards_count = data.draw(st.integers(2, 3))
+    layout = data.draw(st.sampled_from(["contiguous", "round-robin", "any"]))
+    length = step["length"]
+    if layout == "contiguous":
+        owner = [p * shards_count // length for p in range(length)]
+    elif layout == "round-robin":
+        owner = [p % shards_count for p in range(length)]
+    else:
+        owner = data.draw(
+            st.lists(st.integers(0, shards_count - 1), min_size=length, max_size=length)
+        )
+    check_step(step, [[p for p in range(length) if owner[p] == s] for s in range(shards_count)])
 
 
 def test_a_masked_out_loss_adds_nothing_not_even_a_nan() -> None:
@@ -192,6 +232,13 @@ def test_packed_rows_are_their_sequences() -> None:
             lambda: aggregate(torch.ones(2, 3), torch.ones(2, 4), mode="token-mean"),
             ValueError,
             r"token_losses has shape \(2, 3\) but mask \(2, 4\)",
+        ),
+        (
+            lambda: aggregate(
+                torch.ones(2, 3), torch.ones(2, 8), mode="token-mean", positions=slice(0, 4)
+            ),
+            ValueError,
+            r"token_losses has shape \(2, 3\) but mask \(2, 8\) at positions=slice\(0, 4, None\)",
         ),
         (
             lambda: aggregate(torch.ones(2, 3), torch.full((2, 3), 0.5), mode="token-mean"),
