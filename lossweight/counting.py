@@ -180,7 +180,10 @@ def aggregate(
     if positions is not None:
         held = torch.zeros(mask.shape[-1], dtype=torch.bool, device=mask.device)
         held[positions] = True
-        expected = (*mask.shape[:-1], int(torch.arange(mask.shape[-1])[positions].numel()))
+        if isinstance(positions, slice):
+            expected = (*mask.shape[:-1], len(range(mask.shape[-1])[positions]))
+        else:  # a tensor of indices, on any device: its size, not its values
+            expected = (*mask.shape[:-1], positions.numel())
     if token_losses.shape != expected:
         raise ValueError(
             f"token_losses has shape {tuple(token_losses.shape)} but mask "

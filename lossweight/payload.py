@@ -20,7 +20,7 @@ import torch
 from . import _torch, terms
 from .collectives import Collective, Waitable, start_all_reduce
 from .errors import device_message, error
-from .terms import ARGUMENTS, COUNTS, FIELDS, MOST_TERMS, Layout, Term
+from .terms import ARGUMENTS, COUNTS, FIELDS, Layout, Term
 
 LIMB = 2**31
 _CODES = len(FIELDS)
@@ -66,9 +66,9 @@ class Reduction:
                 payload[layout.high[name] : layout.low[name] + 1 : len(COUNTS)] = summed
         for previous, loss in losses.items():
             if loss is not None:  # each term's sum, then whether it is NaN or infinite
-                start, size = layout.losses[previous], len(layout.terms)
-                payload[start : start + size].copy_(loss)  # copy_ moves a loss's device too
-                payload[start + MOST_TERMS : start + MOST_TERMS + size].copy_(loss - loss != 0)
+                sums, nonfinite = layout.losses[previous]
+                payload[sums].copy_(loss)  # copy_ moves a loss's device too
+                payload[nonfinite].copy_(loss - loss != 0)
         self.layout, self._payload, self._codes = layout, payload, codes
         self._world_size, self._collective = collective.world_size, type(collective).__name__
         self._handle: Waitable | None = start_all_reduce(collective, payload, traceable)
@@ -149,9 +149,8 @@ class Reduction:
 
     def loss(self, previous: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(each term's loss sum over every rank, whether any rank's was non-finite)."""
-        payload, start = self.result(), self.layout.losses[previous]
-        size, flags = len(self.layout.terms), start + MOST_TERMS
-        return payload[start : start + size], payload[flags : flags + size] > 0
+        payload, (sums, nonfinite) = self.result(), self.layout.losses[previous]
+        return payload[sums], payload[nonfinite] > 0
 
     def _check(self) -> None:
         self._checked = True

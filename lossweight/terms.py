@@ -175,8 +175,8 @@ class Layout:
     code per field, then their squares; the high 31-bit limb of each count total (0 for the
     float ``weight_sum``), then the low limbs (the float total itself); for each count, whether
     this rank gave it and whether it had a microbatch that lacked it; then each term's loss sum
-    of this step (``losses[False]``) and whether each was non-finite, blocks of MOST_TERMS
-    slots, and the same two for an earlier step's loss that travels with this one (``[True]``).
+    of this step and whether each was non-finite (the slices ``losses[False]``, in blocks of
+    MOST_TERMS slots), and the same two for an earlier step's loss (``losses[True]``).
     The first ``checked`` slots are checked after the sum."""
 
     terms: tuple[Term, ...]
@@ -184,19 +184,20 @@ class Layout:
     high: dict[str, int] = field(init=False)
     low: dict[str, int] = field(init=False)
     flags: dict[str, int] = field(init=False)
-    losses: tuple[int, int] = field(init=False)
+    losses: tuple[tuple[slice, slice], ...] = field(init=False)
     checked: int = field(init=False)
     length: int = field(init=False)
 
     def __post_init__(self) -> None:
-        start, size, terms = 2 * len(FIELDS), len(COUNTS), MOST_TERMS
+        start, size, terms, used = 2 * len(FIELDS), len(COUNTS), MOST_TERMS, len(self.terms)
+        sums = (start + 4 * size, start + 4 * size + 2 * terms)  # this step's, an earlier one's
         values = {
             "reported": tuple(c for c in COUNTS if all(t.count != c for t in self.terms)),
             "high": {count: start + i for i, count in enumerate(COUNTS)},
             "low": {count: start + size + i for i, count in enumerate(COUNTS)},
             "flags": {count: start + 2 * size + 2 * i for i, count in enumerate(COUNTS)},
             "checked": start + size,
-            "losses": (start + 4 * size, start + 4 * size + 2 * terms),
+            "losses": tuple((slice(s, s + used), slice(s + terms, s + terms + used)) for s in sums),
             "length": start + 4 * size + 4 * terms,
         }
         for name, value in values.items():

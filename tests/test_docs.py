@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +48,15 @@ def test_python_block_runs_as_a_script(block: str, tmp_path: Path) -> None:
         if torchrun
         else []
     )
-    subprocess.run([sys.executable, *launch, str(script)], check=True, cwd=tmp_path, timeout=300)
+    # In a session of its own, so that a hang kills torchrun's workers too, not only torchrun.
+    command = [sys.executable, *launch, str(script)]
+    with subprocess.Popen(command, cwd=tmp_path, start_new_session=True) as process:
+        try:
+            returncode = process.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+    assert returncode == 0, f"the block exited with {returncode}"
 
 
 def test_multi_process_examples_are_torchrun_scripts() -> None:

@@ -234,7 +234,6 @@ class _Tally:
         self._waiting: StepResult | None = None
         self._steps = 0
         self._sums: dict[str, torch.Tensor] = {}
-        self._losses: list[str] = []
 
     def add(self, result: StepResult) -> None:
         self._fold()
@@ -247,7 +246,7 @@ class _Tally:
         if self._steps == 0:
             return {}
         sums = {name: total.item() for name, total in self._sums.items()}
-        logs = {name: total / self._steps for name, total in sums.items() if name in self._losses}
+        logs = {name: total / self._steps for name, total in sums.items() if name not in COUNTS}
         for name in COUNTS:
             if sums[name] >= 0:  # -1 where a step did not know it
                 logs[name] = float(sums[name])
@@ -258,21 +257,19 @@ class _Tally:
         result, self._waiting = self._waiting, None
         if result is None:
             return
-        losses = result.losses
-        values = {"loss": result.loss, "loss_tokens": result.num_tokens}
-        values["loss_samples"] = result.num_samples
-        if len(losses) > 1:
-            values.update({f"loss/{name}": loss for name, loss in losses.items()})
-        self._losses = [name for name in values if name not in COUNTS]
+        values = {"loss": result.loss}
+        if len(result.losses) > 1:
+            values.update({f"loss/{name}": loss for name, loss in result.losses.items()})
+        values.update(loss_tokens=result.num_tokens, loss_samples=result.num_samples)
         if self._steps == 0:
             self._sums = {name: value.clone() for name, value in values.items()}
         else:
-            for name in self._losses:
-                self._sums[name] = self._sums[name] + values[name]
-            for name in COUNTS:
-                total, count = self._sums[name], values[name]
-                unknown = (total < 0) | (count < 0)
-                self._sums[name] = torch.where(unknown, -1, total + count)
+            for name, value in values.items():
+                total = self._sums[name]
+                if name in COUNTS:  # -1 where a step did not know it
+                    self._sums[name] = torch.where((total < 0) | (value < 0), -1, total + value)
+                else:
+                    self._sums[name] = total + value
         self._steps += 1
 
 

@@ -141,10 +141,10 @@ class LossweightGRPOTrainer(_WeightedSteps, GRPOTrainer):  # type: ignore[misc]
                     "callback that stopped the epoch); train on with a new "
                     "LossweightGRPOTrainer, or resume from a checkpoint"
                 )
-            counts = [_counts(microbatch) for microbatch in microbatches]
+            masks = [_mask(microbatch) for microbatch in microbatches]
             self.accumulator.begin(
-                num_samples=[samples for samples, _ in counts],
-                num_tokens=[tokens for _, tokens in counts],
+                num_samples=[mask.shape[0] for mask in masks],
+                num_tokens=[mask.sum() for mask in masks],
                 step=self.state.global_step + 1,
             )
         return inputs
@@ -189,8 +189,8 @@ class LossweightGRPOTrainer(_WeightedSteps, GRPOTrainer):  # type: ignore[misc]
         if self._entropy_bonus:
             entropy = aggregate(entropies, mask, mode="token-mean")[0]
             losses["entropy"] = -self.entropy_coef * entropy
-        samples, tokens = _counts(inputs)
-        return self.accumulator.scale_loss(losses, num_samples=samples, num_tokens=tokens)
+        # Checked against begin()'s: a microbatch other than the one counted fails loudly.
+        return self.accumulator.scale_loss(losses, num_samples=mask.shape[0], num_tokens=mask.sum())
 
     def _token_losses(
         self, logps: torch.Tensor, inputs: dict[str, Any], mask: torch.Tensor
@@ -234,12 +234,6 @@ def _mask(inputs: dict[str, Any]) -> torch.Tensor:
     mask: torch.Tensor = inputs["completion_mask"]
     tool_mask = inputs.get("tool_mask")
     return mask if tool_mask is None else mask * tool_mask
-
-
-def _counts(inputs: dict[str, Any]) -> tuple[int, torch.Tensor]:
-    """A microbatch's completions, and its counted completion tokens (on its device)."""
-    mask = _mask(inputs)
-    return int(mask.shape[0]), mask.sum()
 
 
 def _check_grpo(trainer: LossweightGRPOTrainer) -> None:
