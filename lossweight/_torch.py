@@ -3,6 +3,7 @@ when torch changes one of these, this is the file to change."""
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 from typing import TypeVar
@@ -24,6 +25,19 @@ def mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     group of its dimensions flattened into one (``DeviceMesh._flatten``, cached by torch; made
     on every rank of the mesh's root at once, as the first ``begin()`` is)."""
     return mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
+
+
+def inferring_pipeline_shapes() -> bool:
+    """Whether torch.distributed.pipelining runs the loss function to infer a stage's shapes
+    (torch 2.13 does, at the first step of a stage built without ``output_args``): a loss it
+    takes only the inputs' gradient shapes of, which is no microbatch of the step."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code, module = frame.f_code.co_name, str(frame.f_globals.get("__name__"))
+        if code == "_backward_metadata_inference" and module.startswith("torch.distributed"):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def assert_true(flag: torch.Tensor, message: str) -> None:

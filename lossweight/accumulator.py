@@ -80,6 +80,8 @@ class Accumulator:
             ``"mean"`` (DDP, FSDP), ``"sum"``, or the number it divides their sum by.
         group: the ranks holding different data (default: the default group, at each begin()):
             a process group, or a ``DeviceMesh`` of them, ``mesh["dp"]``, ``mesh["dp", "cp"]``.
+        pipeline: the dimension of ``group`` (a mesh) whose ranks are pipeline stages, of which
+            the last computes the loss: ``group=mesh["pp", "dp"], pipeline="pp"``.
         collective: a :class:`Collective` to reduce with instead of a process group.
         loss_logging: ``"end"`` (``end()`` reduces a count-first step's loss: one more
             all-reduce) or ``"next_step"`` (it travels with the next reduction, or ``flush()``).
@@ -100,6 +102,7 @@ class Accumulator:
         terms: Sequence[Term] | None = None,
         grad_reduction: GradReduction | float = "mean",
         group: dist.ProcessGroup | DeviceMesh | None = None,
+        pipeline: str | None = None,
         collective: Collective | None = None,
         loss_logging: LossLogging = "end",
         weight_estimate: float = 1.0,
@@ -111,7 +114,7 @@ class Accumulator:
         )  # fmt: skip
         self.layout = Layout(self.options.terms)
         self.state = machine.State(self.options.weight_by, loss_logging)
-        self._resolver = CollectiveResolver(group, collective)
+        self._resolver = CollectiveResolver(group, collective, pipeline)
         self._tensors: CountFirst | ScaleAfter | None = None
         self._collective: Collective | None = None
         self._flight = _InFlight(self.options, self.layout)
@@ -145,11 +148,11 @@ class Accumulator:
         every rank (default: ``steps + 1``), so that a rank that skips an iteration is caught at
         once. ``with acc.begin(...):`` abandons on an error."""
         given = {"samples": num_samples, "tokens": num_tokens, "weight_sum": weight_sum}
-        counts, params = _opening(given, parameters, self.options)
+        counts, params = _opening(given, parameters, self.options, self._resolver.stages[1])
         declared = next((len(c) for c in counts.values() if c is not None), 0) if counts else 0
-        state = machine.begin(self.state, counts is not None, declared, step)
-        collective = self._resolver.resolve()
-        divisor = self._flight.adopt(collective)
+        collective, (stages, loss) = self._resolver.resolve(), self._resolver.stages
+        state = machine.begin(self.state, counts is not None, declared, step, loss)
+        divisor = self._flight.adopt(collective, stages)
         self._flight.settle()
         tensors: CountFirst | ScaleAfter
         if counts is not None:
@@ -158,7 +161,7 @@ class Accumulator:
             tensors = CountFirst(collective, self.layout, codes, counts, carried, divisor)
             self._flight.add(tensors.reduction)
         else:
-            tensors = ScaleAfter(params, self._flight.estimated(), divisor, self.layout)
+            tensors = ScaleAfter(params, self._flight.estimated(), divisor, self.layout, loss)
             _SCALING_AFTER.add(tensors)
         self.state, self._tensors, self._collective = state, tensors, collective
         return StepContext(self, state.steps)
@@ -177,6 +180,8 @@ class Accumulator:
         (counting first, checked against begin()'s). A microbatch of weight 0 adds nothing to a
         term: its loss (a NaN of 0/0 included) reaches no gradient and no log."""
         losses = _losses(loss, self.options.terms)
+        if self._resolver.stages[0] > 1 and _torch.inferring_pipeline_shapes():
+            return sum(losses[1:], losses[0])  # torch's shape inference, not a microbatch
         given = (num_samples is not None, num_tokens is not None, weight_sum is not None)
         counts = {"samples": num_samples, "tokens": num_tokens, "weight_sum": weight_sum}
         if any(given):  # validated; a count-first step checks them against begin()'s
@@ -204,7 +209,7 @@ class Accumulator:
         """A count-first factor, ``w * D / W`` (mean losses) or ``D / W`` (sums), float64, one
         per term if several. ``backward_scale(i)`` gives microbatch ``i`` its factor, for a loop
         that multiplies the loss itself (then :meth:`record_loss`); ``()``, the next one's."""
-        self.state, index = machine.factor(self.state, microbatch, self._traced)
+        self.state, index = machine.factor(self.state, microbatch, _traced(self._tensors))
         tensors = self._tensors
         assert isinstance(tensors, CountFirst)
         if index is None:  # the next microbatch of a compiled step, whose position is a tensor
@@ -234,7 +239,7 @@ class Accumulator:
         if max_grad_norm is not None:
             _check_max_grad_norm(max_grad_norm, self._tensors)
         step, tensors, collective = self.state.step, self._tensors, self._collective
-        state = machine.end(self.state, self._traced)
+        state = machine.end(self.state, _traced(tensors))
         assert step is not None and tensors is not None and collective is not None
         result = self._flight.end(step, tensors, collective)
         self.state, self._tensors = state, None
@@ -263,7 +268,7 @@ class Accumulator:
         self._flight.settle(verdicts=True)  # the run may end here: wait for an accelerator's
         if waits and self._flight.pending is not None:
             collective = self._resolver.resolve()
-            self._flight.adopt(collective)
+            self._flight.adopt(collective, self._resolver.stages[0])
             self._flight.settle()
             codes = self._flight.codes(state.steps, terms.FLUSH)
             reduction = self._flight.reduce_loss(collective, codes, collective.device)
@@ -301,11 +306,6 @@ class Accumulator:
         self.__init__(**state["options"])  # type: ignore[misc]
         self.load_state_dict(state["state"])
 
-    @property
-    def _traced(self) -> bool:
-        """Whether the open step's scale_loss() runs compiled, counting on the device."""
-        return isinstance(self._tensors, CountFirst) and self._tensors.cursor is not None
-
 
 class _InFlight:
     """The reductions: the world they run in (its size, ``D`` and the options' codes), those
@@ -333,15 +333,16 @@ class _InFlight:
             self.estimate = estimate.total(self.options.weight_by)
         return self.estimate  # type: ignore[return-value]
 
-    def adopt(self, collective: Collective) -> float:
-        """``D`` for this world, and its codes (made when the world's size changes). A loss
-        that waits is reduced over the collective it was computed in, or never."""
+    def adopt(self, collective: Collective, stages: int) -> float:
+        """``D`` for this world of ``stages`` pipeline stages, and its codes (made when the
+        number of data-parallel ranks changes). A loss that waits is reduced over the
+        collective it was computed in, or never."""
         if self.pending is not None and self.pending.collective is not collective:
             step = self.drop("the process group changed before the loss was reduced")
             raise error("pending_elsewhere", step=step, ranks=collective.world_size)
-        if collective.world_size != self.world[0]:
-            divisor = self.options.divisor(collective.world_size)
-            self.world = (collective.world_size, divisor, self.options.codes(divisor))
+        if (replicas := collective.world_size // stages) != self.world[0]:
+            divisor = self.options.divisor(replicas)
+            self.world = (replicas, divisor, self.options.codes(divisor))
         return self.world[1]
 
     def codes(self, step: int, call: int) -> tuple[int, ...]:
@@ -516,10 +517,16 @@ def _counts(count: str, value: object, dim: int) -> Any:
     return _tensor_counts(name, stacked, 1)
 
 
+def _traced(tensors: CountFirst | ScaleAfter | None) -> bool:
+    """Whether the open step's scale_loss() runs compiled, counting on the device."""
+    return isinstance(tensors, CountFirst) and tensors.cursor is not None
+
+
 def _opening(
-    given: Mapping[str, object], parameters: object, options: Options
+    given: Mapping[str, object], parameters: object, options: Options, loss: bool
 ) -> tuple[dict[str, Any] | None, list[torch.Tensor]]:
-    """What ``begin()`` opens: a count-first step's counts, or a scale-after step's parameters."""
+    """What ``begin()`` opens: a count-first step's counts (zeros on a pipeline stage before
+    the last, whose counts are the step's), or a scale-after step's parameters."""
     if all(count is None for count in given.values()):
         if parameters is None:
             raise error("neither", argument=ARGUMENTS[options.weight_by])
@@ -535,6 +542,8 @@ def _opening(
             weighted = next(t.name for t in options.terms if t.count == count)
             raise error("weight_missing", name=ARGUMENTS[count], term=weighted, weight_by=count)
     counts = {n: c if c is None else _counts(n, c, 1) for n, c in given.items()}
+    if not loss:
+        counts = {n: c if c is None else [0] * len(c) for n, c in counts.items()}
     lengths = {ARGUMENTS[n]: len(c) for n, c in counts.items() if c is not None}
     if len(set(lengths.values())) > 1:
         raise error("lengths_differ", lengths=lengths)

@@ -110,17 +110,28 @@ class CollectiveResolver:
     another size, reduces over the world that exists when its step begins."""
 
     def __init__(
-        self, group: dist.ProcessGroup | DeviceMesh | None, collective: Collective | None
+        self,
+        group: dist.ProcessGroup | DeviceMesh | None,
+        collective: Collective | None,
+        pipeline: str | None = None,
     ) -> None:
         if collective is not None and group is not None:
             raise error("group_and_collective", group=group, collective=collective)
+        names = (group.mesh_dim_names or ()) if isinstance(group, DeviceMesh) else ()
+        if pipeline is not None and (not isinstance(pipeline, str) or pipeline not in names):
+            raise error("pipeline_dimension", value=pipeline, group=group, names=names)
         if isinstance(group, DeviceMesh):
-            names = group.mesh_dim_names or ()
             if group.ndim > 1 and len(names) < group.ndim:
                 raise error("mesh_unnamed", mesh=group)
             for name in names:
-                if set(name.split("_")) & set(_MODEL_PARALLEL):
+                if name != pipeline and set(name.split("_")) & set(_MODEL_PARALLEL):
                     raise error("mesh_model_parallel", mesh=group, name=name)
+        # How many pipeline stages the group's ranks are split into, and whether this rank
+        # holds the last, which computes the loss: a mesh knows its own ranks' places.
+        self.stages: tuple[int, bool] = (1, True)
+        if pipeline is not None and isinstance(group, DeviceMesh):
+            dim, size = names.index(pipeline), group.size(names.index(pipeline))
+            self.stages = (size, group.get_local_rank(dim) == size - 1)
         if isinstance(collective, type):
             raise error("collective_class", value=collective, name=collective.__name__)
         if collective is not None and not isinstance(collective, Collective):

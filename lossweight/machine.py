@@ -33,7 +33,8 @@ class Step(NamedTuple):
     """The open step: ``declared``, the microbatches a count-first ``begin()`` declared;
     ``scaled``, those ``scale_loss()`` took in eager code; ``factored`` and ``recorded``, those
     ``backward_scale(i)`` and ``record_loss(i, ...)`` took; ``given``, which counts (in the
-    order of :data:`lossweight.terms.COUNTS`) a scale-after step's microbatches give."""
+    order of :data:`lossweight.terms.COUNTS`) a scale-after step's microbatches give;
+    ``loss``, whether this rank computes the loss (not a pipeline stage before the last)."""
 
     number: int
     mode: str
@@ -42,6 +43,7 @@ class Step(NamedTuple):
     factored: frozenset[int] = frozenset()
     recorded: frozenset[int] = frozenset()
     given: tuple[bool, ...] | None = None
+    loss: bool = True
 
     @property
     def unrecorded(self) -> list[int]:
@@ -70,15 +72,18 @@ def _set(value: T, field: int, new: object) -> T:
     return tuple.__new__(type(value), (*value[:field], new, *value[field + 1 :]))
 
 
-def begin(state: State, count_first: bool, declared: int = 0, number: object = None) -> State:
-    """Open a step: ``number`` is the loop's own (the ranks agree on it), by default the next."""
+def begin(
+    state: State, count_first: bool, declared: int = 0, number: object = None, loss: bool = True
+) -> State:
+    """Open a step: ``number`` is the loop's own (the ranks agree on it), by default the next;
+    ``loss``: whether this rank computes the loss (a pipeline's last stage does, no other)."""
     idle(state, "begin")
     if number is None:
         number = state.steps + 1
     elif isinstance(number, bool) or not isinstance(number, int) or number < 0:
         raise error("bad_step", value=number)
     mode = COUNT_FIRST if count_first else SCALE_AFTER
-    step = Step(number, mode, declared if count_first else 0)
+    step = Step(number, mode, declared if count_first else 0, loss=loss)
     # A count-first begin() carries a waiting loss; a scale-after step's end() does.
     return state._replace(steps=step.number, step=step, pending=state.pending and not count_first)
 
@@ -86,7 +91,7 @@ def begin(state: State, count_first: bool, declared: int = 0, number: object = N
 def scale(state: State, given: tuple[bool, ...], traced: bool) -> tuple[State, int | None]:
     """``scale_loss()`` given these counts: the next state, and the microbatch it takes (None
     where the device counts them)."""
-    step = open_step(state, "scale_loss")
+    step = _loss_stage(state, "scale_loss")
     if step.mode == SCALE_AFTER:
         if not given[COUNTS.index(state.weight_by)]:
             raise error("weight_missing_here", name=ARGUMENTS[state.weight_by])
@@ -107,7 +112,7 @@ def scale(state: State, given: tuple[bool, ...], traced: bool) -> tuple[State, i
 
 def trace(state: State) -> int:
     """A compiled ``scale_loss()``: where its device counter starts, after the eager ones."""
-    return open_step(state, "scale_loss").scaled
+    return _loss_stage(state, "scale_loss").scaled
 
 
 def factor(state: State, microbatch: object, traced: bool) -> tuple[State, int | None]:
@@ -141,7 +146,7 @@ def end(state: State, traced: bool) -> State:
     # scaled: record_loss(i, loss) is.
     taken = set(range(step.scaled)) | (step.recorded if step.scaled else step.factored)
     missing = [i for i in range(step.declared) if i not in taken]
-    if step.mode == COUNT_FIRST and not traced and missing:
+    if step.mode == COUNT_FIRST and step.loss and not traced and missing:
         raise error(
             "too_few", scaled=step.scaled, declared=step.declared, step=step.number, missing=missing
         )
@@ -179,8 +184,16 @@ def open_step(state: State, caller: str) -> Step:
     return state.step
 
 
-def _count_first(state: State, caller: str) -> Step:
+def _loss_stage(state: State, caller: str) -> Step:
+    """The open step, where this rank computes the loss."""
     step = open_step(state, caller)
+    if not step.loss:
+        raise error("not_the_loss_stage", caller=caller, step=step.number)
+    return step
+
+
+def _count_first(state: State, caller: str) -> Step:
+    step = _loss_stage(state, caller)
     if step.mode == SCALE_AFTER:
         raise error("scale_after_factor", caller=caller, step=step.number)
     return step

@@ -195,7 +195,9 @@ class CountFirst:
 
 class ScaleAfter:
     """A step whose counts come with each loss, and whose gradients ``end()`` rescales. Every
-    term is normalised by the same count (``Options.rescalable``), so one factor fits them all."""
+    term is normalised by the same count (``Options.rescalable``), so one factor fits them all.
+    ``loss``: whether this rank computes the loss; a pipeline stage before the last one gets
+    its gradients from the last one's scaled losses, and rescales them all the same."""
 
     def __init__(
         self,
@@ -203,10 +205,12 @@ class ScaleAfter:
         estimate: torch.Tensor | float,
         divisor: float,
         layout: Layout,
+        loss: bool = True,
     ) -> None:
         # Gradients left from before the step would be rescaled with this step's.
         _torch.check_zero_gradients(parameters, _STALE)
         self.parameters, self._estimate, self._divisor = parameters, estimate, divisor
+        self._loss = loss
         self._layout, self._terms = layout, layout.terms
         self._count = str(layout.terms[0].count)
         # Which terms' losses are means (each weighted by its microbatch's count), if any.
@@ -281,7 +285,7 @@ class ScaleAfter:
         """The step's gradients: some where a loss went through scale_loss(), else none that
         is nonzero (a backward that scale_loss() did not scale)."""
         groups, scaled = _torch.gradient_groups(self.parameters), len(self._losses)
-        if not scaled and groups:
+        if not scaled and groups and self._loss:
             _torch.check_zero_gradients(self.parameters, _UNSCALED)
         if scaled and not groups:
             raise error("no_gradients", parameters=len(self.parameters), scaled=scaled, step=step)

@@ -10,7 +10,16 @@
 - ``"hsdp"``: FSDP2 over a (replicate, shard) mesh, every rank with data of its own; counts over
   the whole mesh;
 - ``"dp x tp"``: the MLP tensor-parallel over ``"tp"`` (column-wise, then row-wise), FSDP2 over
-  ``"dp"``; both tp ranks of a dp rank hold its data; counts over ``mesh["dp"]``.
+  ``"dp"``; both tp ranks of a dp rank hold its data; counts over ``mesh["dp"]``;
+- ``"pp x dp, GPipe"`` and ``"pp x dp, 1F1B"``: the model split into 2 pipeline stages
+  (``torch.distributed.pipelining``, each stage DDP over ``"dp"`` under GPipe, FSDP2 under 1F1B)
+  that split each dp rank's batch into 2 microbatches; the loss function the schedule calls on
+  the last stage scales the loss; counts over the whole mesh with ``pipeline="pp"``, every
+  stage calling begin() and end(). The GPipe stages are built without their shapes, so that
+  torch 2.13 runs the loss function once more to infer them at the first step; the 1F1B ones
+  with them. ``"pp x dp, GPipe dividing"`` leaves the schedule's own division of the gradients
+  by the number of microbatches on (``scale_grads=True``), which
+  ``framework_divides_loss_by`` undoes.
 
 The data are uneven over the dp ranks (more microbatches, more tokens), and each layout has a
 microbatch without any token on some rank. Each layout runs one step counting first and one
@@ -28,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -36,11 +46,16 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 import lossweight
+from lossweight.testing import count_collectives
 
 from .problem import max_relative_error
 
 VOCABULARY, WIDTH, LENGTH = 11, 6, 8
-LAYOUTS = ("dp x cp", "dp x cp, sequence mean", "hsdp", "dp x tp")
+PIPELINES = ("pp x dp, GPipe", "pp x dp, 1F1B", "pp x dp, GPipe dividing")
+# Built wrong on purpose, to show that the data tell right from wrong: the schedule divides the
+# gradients by the number of microbatches, and the Accumulator is not told.
+UNANNOUNCED = "pp x dp, GPipe dividing unannounced"
+LAYOUTS = ("dp x cp", "dp x cp, sequence mean", "hsdp", "dp x tp", *PIPELINES)
 MODES = ("count-first", "scale-after")
 
 
@@ -84,6 +99,12 @@ DATA: dict[str, list[list[tuple[int, int, list[int]]]]] = {
         [(13, 2, [8, 1]), (14, 2, [0, 0])],
         [(15, 2, [7, 6]), (16, 2, [8, 8])],
     ],
+    # Each dp rank's batch of 4 rows, which the schedule splits into 2 microbatches of 2 rows;
+    # dp rank 1's second microbatch has no token.
+    "pp x dp": [
+        [(17, 4, [8, 3, 5, 8])],
+        [(18, 4, [2, 7, 0, 0])],
+    ],
 }
 
 
@@ -91,7 +112,7 @@ def reference(model: torch.nn.Module, layout: str) -> dict[str, Any]:
     """The full batch's loss (its token mean, or its sequences' mean of their token means),
     count and gradient, in one process."""
     model = copy.deepcopy(model)
-    data = DATA["dp x cp" if layout.startswith("dp x cp") else layout]
+    data = DATA[layout.split(",")[0] if "," in layout else layout]
     pieces = [microbatch(*spec) for holder in data for spec in holder]
     tokens = torch.cat([t for t, _ in pieces])
     labels = torch.cat([y for _, y in pieces])
@@ -152,7 +173,7 @@ def run(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     base = TokenModel()
     outcome: dict[str, Any] = {}
-    for layout in LAYOUTS:
+    for layout in (*LAYOUTS, UNANNOUNCED):
         expected = reference(base, layout)
         for mode in MODES:
             result, model = _layout_step(layout, mode, base)
@@ -164,9 +185,20 @@ def run(rank: int, world_size: int) -> dict:
                 "tokens": (result.weight_sum if sequences else result.num_tokens).item(),
                 "expected_loss": expected["loss"],
                 "expected_tokens": expected["tokens"],
+                "lossweight_collectives": COLLECTIVES.get(f"{layout}/{mode}"),
             }
+    stages = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    acc = lossweight.Accumulator(loss_reduction="sum", group=stages, pipeline="pp")
+    acc.begin(num_tokens=[3])
+    if stages["pp"].get_local_rank() == 0:
+        try:
+            acc.scale_loss(torch.tensor(1.0))
+        except RuntimeError as refused:
+            outcome["first_stage_scales"] = str(refused)
+    acc.abandon()
     for name, mesh in {
         "tp_refused": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
+        "pp_refused": stages,
         "unnamed_refused": init_device_mesh("cpu", (2, 2)),
     }.items():
         try:
@@ -212,6 +244,8 @@ def _layout_step(
         terms = [lossweight.Term("loss", "sum", "weight_sum")]
         acc = lossweight.Accumulator(terms=terms, group=mesh["dp", "cp"])
         return step(wrapped, acc, pieces, mode, sync, sequence_mean), wrapped.module
+    if layout in (*PIPELINES, UNANNOUNCED):
+        return _pipeline_step(layout, mode, model)
     if layout == "hsdp":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         pieces = [_unpack(spec) for spec in DATA[layout][dist.get_rank()]]
@@ -232,6 +266,88 @@ def _layout_step(
         return contextlib.nullcontext()
 
     return step(model, acc, pieces, mode, fsdp_sync), model
+
+
+# The collectives lossweight issued in each pipelined step, by its name in ``run()``'s outcome.
+COLLECTIVES: dict[str, dict[str, int]] = {}
+
+
+@contextlib.contextmanager
+def paused(seen: Any) -> Any:
+    """Leave out of ``seen`` what the block issues (the schedule's own sends and receives)."""
+    before = seen.calls.copy()
+    yield
+    seen.calls.clear()
+    seen.calls.update(before)
+
+
+class Stage(torch.nn.Module):
+    """One pipeline stage of a TokenModel: the embedding and the first layer, or the rest."""
+
+    def __init__(self, model: TokenModel, first: bool) -> None:
+        super().__init__()
+        self.first = first
+        if first:
+            self.embed, self.up = model.embed, model.up
+        else:
+            self.down = model.down
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            return self.up(self.embed(inputs))
+        return self.down(torch.relu(inputs))
+
+
+def _pipeline_step(
+    layout: str, mode: str, model: TokenModel
+) -> tuple[lossweight.StepResult, torch.nn.Module]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    tokens, labels = _unpack(DATA["pp x dp"][dp][0])
+    stage_module: torch.nn.Module = Stage(model, first=pp == 0)
+    if layout.endswith("1F1B"):
+        stage_module = fully_shard(stage_module, mesh=mesh["dp"])
+    else:
+        stage_module = DistributedDataParallel(stage_module, process_group=mesh["dp"].get_group())
+    shapes: dict[str, Any] = {}
+    if layout.endswith("1F1B"):  # one microbatch's input and output
+        hidden = torch.zeros(2, LENGTH, 2 * WIDTH, dtype=torch.float64, requires_grad=True)
+        logits = torch.zeros(2, LENGTH, VOCABULARY, dtype=torch.float64)
+        shapes = {"input_args": tokens[:2] if pp == 0 else hidden}
+        shapes["output_args"] = hidden if pp == 0 else logits
+    group = mesh["pp"].get_group()
+    stage = PipelineStage(stage_module, pp, 2, torch.device("cpu"), group=group, **shapes)
+    dividing = "dividing" in layout
+    acc = lossweight.Accumulator(
+        loss_reduction="sum", group=mesh, pipeline="pp",
+        framework_divides_loss_by=2 if layout.endswith("dividing") else 1,
+    )  # fmt: skip
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss_sum, count = lossweight.token_cross_entropy(output, target)
+        return acc.scale_loss(loss_sum, **({"num_tokens": count} if mode == "scale-after" else {}))
+
+    kind = Schedule1F1B if layout.endswith("1F1B") else ScheduleGPipe
+    schedule = kind(stage, 2, loss_fn=loss_fn, scale_grads=dividing)
+    with count_collectives() as seen:  # lossweight's own, around the schedule's step
+        if mode == "count-first":  # every stage holds the labels; the last one's counts count
+            acc.begin(num_tokens=[lossweight.count_tokens(y) for y in labels.tensor_split(2)])
+        else:
+            acc.begin(parameters=stage_module)
+        with paused(seen):
+            schedule.step(tokens) if pp == 0 else schedule.step(target=labels)
+        result = acc.end()
+        result.loss.item()  # a count-first step reduces its loss in end()
+    COLLECTIVES[f"{layout}/{mode}"] = dict(seen.calls)
+    # The whole model's gradient, each stage's part from the ranks that hold that stage.
+    held = {n: full(p.grad, p).tolist() for n, p in model.named_parameters() if p.grad is not None}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, held)
+    whole = copy.deepcopy(TokenModel())
+    for name, parameter in whole.named_parameters():
+        grad = next(g[name] for g in gathered if name in g)
+        parameter.grad = torch.tensor(grad, dtype=torch.float64)
+    return result, whole
 
 
 def _unpack(spec: tuple[int, int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -64,6 +64,7 @@ class OpenStep:
     recorded: set[int] = field(default_factory=set)
     given: tuple[bool, ...] | None = None
     traced: bool = False
+    loss: bool = True  # False: a pipeline stage before the last, which computes no loss
 
 
 GIVEN = st.tuples(st.booleans(), st.booleans(), st.booleans())  # samples, tokens, weight_sum
@@ -97,13 +98,16 @@ class MachineModel(RuleBasedStateMachine):
     def closed_error(self) -> str | None:
         return "no_step" if self.step is None else None
 
-    @rule(count_first=st.booleans(), declared=st.integers(0, 4))
-    def begin(self, count_first: bool, declared: int) -> None:
+    @rule(count_first=st.booleans(), declared=st.integers(0, 4), loss=st.booleans())
+    def begin(self, count_first: bool, declared: int, loss: bool) -> None:
         error = "step_open" if self.step is not None else None
-        state = self.apply(error, lambda: machine.begin(self.state, count_first, declared))
+        state = self.apply(
+            error, lambda: machine.begin(self.state, count_first, declared, None, loss)
+        )
         if error is None:
             self.state, self.steps = state, self.steps + 1
-            self.step = OpenStep(self.steps, count_first, declared if count_first else 0)
+            declared = declared if count_first else 0
+            self.step = OpenStep(self.steps, count_first, declared, loss=loss)
             self.pending = self.pending and not count_first
 
     @rule(given=GIVEN, traced=st.booleans())
@@ -114,6 +118,8 @@ class MachineModel(RuleBasedStateMachine):
         )
         if step is None:
             error: str | None = "no_step"
+        elif not step.loss:
+            error = "not_the_loss_stage"
         elif not step.count_first:
             error = "weight_missing_here" if not given[self.weight] else None
             if error is None and step.given is not None and given != step.given:
@@ -143,8 +149,9 @@ class MachineModel(RuleBasedStateMachine):
     @rule()
     def trace(self) -> None:
         step = self.step
-        start = self.apply(self.closed_error(), lambda: machine.trace(self.state))
-        assert start == (None if step is None else step.scaled)
+        error = "not_the_loss_stage" if step is not None and not step.loss else self.closed_error()
+        start = self.apply(error, lambda: machine.trace(self.state))
+        assert start == (None if error is not None or step is None else step.scaled)
 
     @rule(microbatch=INDICES)
     def factor(self, microbatch: object) -> None:
@@ -187,7 +194,7 @@ class MachineModel(RuleBasedStateMachine):
     def end(self) -> None:
         step = self.step
         error = self.closed_error()
-        if step is not None and step.count_first and not step.traced:
+        if step is not None and step.count_first and step.loss and not step.traced:
             taken = set(range(step.scaled)) | (step.recorded if step.scaled else step.factored)
             error = "too_few" if not taken >= set(range(step.declared)) else None
         state = self.apply(error, lambda: machine.end(self.state, step is not None and step.traced))
@@ -247,6 +254,8 @@ class MachineModel(RuleBasedStateMachine):
     def _count_first_error(self, caller: str) -> str | None:
         if self.step is None:
             return "no_step"
+        if not self.step.loss:
+            return "not_the_loss_stage"
         return None if self.step.count_first else "scale_after_factor"
 
     @staticmethod

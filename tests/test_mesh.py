@@ -1,6 +1,7 @@
 """group= a DeviceMesh, on a real gloo world of 4 processes: dp x cp under DDP (with a token
 mean, and with each sequence's mean averaged over the sequences, each cp rank holding half of
-every sequence), HSDP under FSDP2, and dp x tp (a tensor-parallel MLP under FSDP2), each
+every sequence), HSDP under FSDP2, dp x tp (a tensor-parallel MLP under FSDP2), and 2 pipeline
+stages x 2 dp ranks (torch.distributed.pipelining's GPipe under DDP, 1F1B under FSDP2), each
 against the single-process fp64 full batch (tests/mesh_worker.py), counting first and scaling
 after."""
 
@@ -41,3 +42,37 @@ def test_a_tensor_parallel_dimension_in_the_count_group_is_refused(runs: list[di
 def test_a_mesh_of_unnamed_dimensions_is_refused(runs: list[dict]) -> None:
     for rank in runs:
         assert "of several dimensions without names; name them" in rank["unnamed_refused"]
+
+
+@pytest.mark.parametrize("mode", mesh_worker.MODES)
+def test_a_schedule_that_divides_unannounced_is_wrong(runs: list[dict], mode: str) -> None:
+    # The control of "pp x dp, GPipe dividing": the same run without framework_divides_loss_by
+    # gets half the gradient (2 microbatches), which the exact runs above would have caught.
+    for rank in runs:
+        assert rank[f"{mesh_worker.UNANNOUNCED}/{mode}"]["relative_error"] > 0.4
+
+
+def test_an_earlier_pipeline_stage_cannot_scale_a_loss(runs: list[dict]) -> None:
+    first_stage = [rank for rank in runs if "first_stage_scales" in rank]
+    assert len(first_stage) == 2  # the pp rank 0 of each dp rank
+    for rank in first_stage:
+        assert "on a rank whose pipeline stage is not the last one" in rank["first_stage_scales"]
+
+
+def test_a_pipeline_dimension_is_refused_unless_named_by_pipeline(runs: list[dict]) -> None:
+    for rank in runs:
+        assert "has the mesh dimension 'pp'" in rank["pp_refused"]
+        assert "pipeline='pp'" in rank["pp_refused"]
+
+
+@pytest.mark.parametrize("mode", mesh_worker.MODES)
+@pytest.mark.parametrize("layout", mesh_worker.PIPELINES)
+def test_pipeline_stages_need_no_collective_of_their_own(
+    runs: list[dict], layout: str, mode: str
+) -> None:
+    # The stages share the step's one reduction of counts (over pp x dp): what a step of a
+    # single stage issues, and nothing to carry totals from the last stage to the others.
+    # Counting first, begin() reduces the counts and end() the loss; scaling after, end() both.
+    expected = {"all_reduce": 2 if mode == "count-first" else 1}
+    for rank in runs:
+        assert rank[f"{layout}/{mode}"]["lossweight_collectives"] == expected
