@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -17,9 +18,10 @@ import torch.nn.functional as F
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from lossweight import Accumulator, Term, count_tokens, token_cross_entropy
+from lossweight import Accumulator, Term, aggregate, count_tokens, token_cross_entropy
 from lossweight.collectives import ProcessGroupCollective
 from lossweight.testing import (
+    ContextShard,
     InProcessCollective,
     InProcessGroup,
     Split,
@@ -795,3 +797,103 @@ def test_a_term_weighted_per_microbatch_fails_naming_the_logged_terms() -> None:
     report = str(raised.value)
     assert "the gradient is off by" in report
     assert re.search(r"the ranks logged \{loss: [-\d.e]+, lm: [-\d.e]+, aux: [-\d.e]+\}", report)
+
+
+# Context parallelism simulated: each data-parallel rank as 2 ranks that each hold half of the
+# positions of every sequence (the model computes each position on its own, so a shard is exact).
+
+
+def context_parallel_step(count_whole_sequences: bool = False) -> Any:
+    def step(net: torch.nn.Module, microbatches: list, collective: Any, shard: Any) -> Any:
+        acc = Accumulator(loss_reduction="sum", collective=collective)
+        held = [
+            (x[:, shard.positions(LENGTH)], y[:, shard.positions(LENGTH)]) for x, y in microbatches
+        ]
+        counted = microbatches if count_whole_sequences else held
+        acc.begin(num_tokens=[count_tokens(y) for _, y in counted])
+        for x, y in held:
+            loss_sum, _ = token_cross_entropy(net(x), y)
+            acc.scale_loss(loss_sum).backward()
+        return acc.end()
+
+    return step
+
+
+def sequence_mean_step(whole_mask: bool) -> Any:
+    """Each sequence's token mean, averaged over the sequences: with the whole mask and the
+    positions, a sequence counts once; with the rank's shard of the mask, each shard is a
+    sequence of its own."""
+
+    def step(net: torch.nn.Module, microbatches: list, collective: Any, shard: Any) -> Any:
+        acc = Accumulator(terms=[Term("loss", "sum", "weight_sum")], collective=collective)
+        keep = shard.positions(LENGTH)
+        acc.begin(parameters=net)
+        for x, y in microbatches:
+            per_token = F.cross_entropy(
+                net(x[:, keep]).transpose(1, 2), y[:, keep].clamp(min=0), reduction="none"
+            )
+            mask = (y != IGNORE).long()
+            if whole_mask:
+                loss, share = aggregate(per_token, mask, mode="seq-mean-token-mean", positions=keep)
+            else:
+                loss, share = aggregate(per_token, mask[:, keep], mode="seq-mean-token-mean")
+            acc.scale_loss(loss, weight_sum=share).backward()
+        return acc.end()
+
+    return step
+
+
+@pytest.mark.parametrize("context_parallel", [1, 2, 3])
+def test_a_context_parallel_loop_passes(context_parallel: int) -> None:
+    assert_split_invariant(
+        context_parallel_step(), model(), examples(), collate,
+        counts=[max(n, 0) for n in LENGTHS], context_parallel=context_parallel, rtol=1e-10,
+    )  # fmt: skip
+    assert_split_invariant(
+        sequence_mean_step(whole_mask=True), model(), examples(), collate,
+        context_parallel=context_parallel, rtol=1e-10,
+    )  # fmt: skip
+
+
+def test_the_shards_are_contiguous_and_cover_the_sequence() -> None:
+    for size in range(1, 6):
+        for length in range(0, 12):
+            pieces = [ContextShard(rank, size).positions(length) for rank in range(size)]
+            covered = [i for piece in pieces for i in range(length)[piece]]
+            assert covered == list(range(length))
+            expected = [len(t) for t in torch.arange(length).tensor_split(size)]
+            assert [len(range(length)[piece]) for piece in pieces] == expected
+
+
+def test_counting_whole_sequences_on_each_context_parallel_rank_is_caught() -> None:
+    with pytest.raises(AssertionError) as caught:
+        assert_split_invariant(
+            context_parallel_step(count_whole_sequences=True), model(), examples(), collate,
+            counts=LENGTHS, context_parallel=2, rtol=1e-10,
+        )  # fmt: skip
+    assert "the gradient is 1/2 of the reference: each context-parallel rank counts" in str(
+        caught.value
+    )
+
+
+def test_a_sequence_mean_over_each_shard_alone_is_caught() -> None:
+    with pytest.raises(AssertionError) as caught:
+        assert_split_invariant(
+            sequence_mean_step(whole_mask=False), model(), examples(), collate,
+            context_parallel=2, rtol=1e-10,
+        )  # fmt: skip
+    assert "the context-parallel ranks' shards do not add up to the whole sequences" in str(
+        caught.value
+    )
+
+
+@pytest.mark.parametrize("value", [0, 2.0, True, "2"])
+def test_a_bad_context_parallel_is_refused(value: object) -> None:
+    with pytest.raises(ValueError, match=r"context_parallel="):
+        assert_split_invariant(
+            context_parallel_step(),
+            model(),
+            examples(),
+            collate,
+            context_parallel=value,  # type: ignore[arg-type]
+        )

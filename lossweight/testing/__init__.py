@@ -13,12 +13,13 @@
 This package is not imported by ``import lossweight``.
 """
 
-from ._checker import Split, assert_split_invariant, default_splits
+from ._checker import ContextShard, Split, assert_split_invariant, default_splits
 from ._collectives import CollectiveCounts, count_collectives
 from ._group import InProcessCollective, InProcessGroup
 
 __all__ = [
     "CollectiveCounts",
+    "ContextShard",
     "InProcessCollective",
     "InProcessGroup",
     "Split",

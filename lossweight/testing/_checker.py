@@ -18,7 +18,7 @@ from ..result import StepResult
 from ..weighting import GradReduction, gradient_divisor
 from ._group import InProcessGroup
 
-Step = Callable[[torch.nn.Module, list[Any], Collective], Any]
+Step = Callable[..., Any]
 Logged = dict[str, float]
 Gradients = list[torch.Tensor]
 
@@ -55,6 +55,23 @@ class Split:
     def __str__(self) -> str:
         sizes = " ".join(f"[{', '.join(str(len(mb)) for mb in rank)}]" for rank in self.ranks)
         return f"{self.name!r}, examples per microbatch of each rank: {sizes}"
+
+
+@dataclass(frozen=True)
+class ContextShard:
+    """The part of every sequence a simulated context-parallel rank holds: ``rank`` of
+    ``size`` ranks, which cut each sequence into ``size`` contiguous pieces, as
+    ``tensor_split`` does (the first pieces one position longer where the length does not
+    divide). The reference holds the whole sequence: ``ContextShard(0, 1)``."""
+
+    rank: int
+    size: int
+
+    def positions(self, length: int) -> slice:
+        """The positions of a sequence of ``length`` this rank holds."""
+        quotient, remainder = divmod(length, self.size)
+        start = self.rank * quotient + min(self.rank, remainder)
+        return slice(start, start + quotient + (self.rank < remainder))
 
 
 def _minimum_examples(world_size: int | None) -> int:
@@ -169,9 +186,10 @@ class _Checker:
         collate: Callable[[list[Any]], Any],
         grad_reduction: GradReduction | float,
         rtol: float,
+        context_parallel: int | None = None,
     ) -> None:
         self.step, self.model, self.examples, self.collate = step, model, examples, collate
-        self.weights = weights
+        self.weights, self.context_parallel = weights, context_parallel
         self.grad_reduction, self.rtol = grad_reduction, rtol
         # Frozen parameters get no gradient in any run: there is nothing of theirs to compare.
         self.names = [name for name, p in model.named_parameters() if p.requires_grad]
@@ -188,24 +206,36 @@ class _Checker:
         combined as a data-parallel wrapper combines them (summed, then divided by ``D``)."""
         if self.distributed:
             return self._run_distributed(split)
-        if len(split.ranks) == 1:
+        # Each data-parallel rank of the split as `cp` ranks that hold the same microbatches,
+        # each its shard of every sequence; the wrapper reduces over all of them.
+        cp = self.context_parallel or 1
+        if len(split.ranks) * cp == 1:
             ranks = [self.rank(split.ranks[0], SingleProcess())]
         else:
-            group = InProcessGroup(len(split.ranks))
-            ranks = group.run(lambda rank, collective: self.rank(split.ranks[rank], collective))
+            group = InProcessGroup(len(split.ranks) * cp)
+            ranks = group.run(
+                lambda rank, collective: self.rank(
+                    split.ranks[rank // cp], collective, ContextShard(rank % cp, cp)
+                )
+            )
         return _Run(self._combine([grads for grads, _ in ranks]), [loss for _, loss in ranks])
 
     def rank(
-        self, microbatches: Sequence[Sequence[int]], collective: Collective
+        self,
+        microbatches: Sequence[Sequence[int]],
+        collective: Collective,
+        shard: ContextShard = ContextShard(0, 1),
     ) -> tuple[Gradients, Logged | None]:
-        """One rank's step on a copy of the model: its gradients (float64) and logged loss."""
+        """One rank's step on a copy of the model (given its ``shard`` of every sequence if
+        the ranks are context-parallel): its gradients (float64) and logged loss."""
         replica = copy.deepcopy(self.model)
         for module in replica.modules():
             if isinstance(module, RANDOM_IN_TRAINING):
                 module.eval()
         replica.zero_grad(set_to_none=True)
         batches = [self.collate([self.examples[i] for i in mb]) for mb in microbatches]
-        logged = _logged(self.step(replica, batches, collective))
+        shards = () if self.context_parallel is None else (shard,)
+        logged = _logged(self.step(replica, batches, collective, *shards))
         parameters = dict(replica.named_parameters())
         grads = [
             (p.grad if p.grad is not None else torch.zeros_like(p)).detach().to(torch.float64)
@@ -303,6 +333,7 @@ def assert_split_invariant(
     splits: Sequence[Split] | None = None,
     grad_reduction: GradReduction | float = "mean",
     rtol: float = 1e-5,
+    context_parallel: int | None = None,
 ) -> None:
     """Check that ``step`` gives the gradient and the logged loss of the whole batch however
     ``examples`` are split into microbatches and data-parallel ranks.
@@ -330,6 +361,13 @@ def assert_split_invariant(
             ``"mean"`` (DDP and FSDP), ``"sum"``, or the number it divides their sum by.
         rtol: the largest relative difference allowed, of the gradient (relative to its
             largest entry) and of the logged loss.
+        context_parallel: simulate each data-parallel rank as this many context-parallel
+            ranks, which hold the same microbatches and each a :class:`ContextShard` of every
+            sequence: the step is then called as ``step(model, microbatches, collective,
+            shard)``, and keeps the positions ``shard.positions(length)`` of each sequence (the
+            reference gets them all). ``collective`` spans every rank of the data and context
+            dimensions, whose gradients are combined as DDP over both flattened combines
+            them. In one process only.
 
     The reference is ``step`` on one rank with every example in one microbatch, run twice:
     it must give the same gradient twice, and a nonzero one, else nothing could be compared.
@@ -359,11 +397,14 @@ def assert_split_invariant(
     """
     weights = _counts(counts, examples)
     world_size = dist.get_world_size() if _distributed() else None
+    _check_context_parallel(context_parallel, world_size)
     if world_size is not None:
         _agree(examples, weights, splits)
     chosen = _chosen(splits, weights, world_size)
     _check_model(model, rtol)
-    checker = _Checker(step, model, examples, weights, collate, grad_reduction, rtol)
+    checker = _Checker(
+        step, model, examples, weights, collate, grad_reduction, rtol, context_parallel
+    )
     reference, problem = checker.reference()
     problem = checker.agreed(problem)
     if problem:
@@ -391,6 +432,26 @@ def assert_split_invariant(
             f"the step depends on how its {len(examples)} examples are split: "
             f"{len(problems)} of {len(chosen)} splits differ from one microbatch on one "
             f"rank{loss}:\n" + "\n".join(problems) + random
+        )
+
+
+def _check_context_parallel(context_parallel: object, world_size: int | None) -> None:
+    if context_parallel is None:
+        return
+    if isinstance(context_parallel, bool) or not isinstance(context_parallel, int):
+        raise ValueError(
+            f"context_parallel={context_parallel!r}; pass the number of context-parallel "
+            "ranks to simulate per data-parallel rank, an int of 1 or more, or None"
+        )
+    if context_parallel < 1:
+        raise ValueError(
+            f"context_parallel={context_parallel}; pass an int of 1 or more (1: each rank "
+            "holds whole sequences, and the step still gets its shard), or None"
+        )
+    if world_size is not None:
+        raise ValueError(
+            f"context_parallel={context_parallel} simulates ranks in one process, but "
+            f"torch.distributed runs {world_size} processes: run the check in one process"
         )
 
 
@@ -621,8 +682,22 @@ def _likely_cause(checker: _Checker, split: Split, run: _Run, reference: _Run) -
             "an empty microbatch's mean over zero items (0 / 0) reached the gradient; guard "
             "it, or use a summed loss (lossweight's scale_loss() guards it)"
         )
-    world_size = len(split.ranks)
+    world_size, cp = len(split.ranks), checker.context_parallel or 1
     factor = _proportion(run.gradients, reference.gradients)
+    if cp > 1 and factor is not None and math.isclose(factor * cp, 1.0, rel_tol=1e-3):
+        return (
+            f"the gradient is 1/{cp} of the reference: each context-parallel rank counts the "
+            "items of whole sequences, where it holds a shard of each (count the positions "
+            "this rank holds)"
+        )
+    if cp > 1 and not (factor is not None and math.isclose(factor, 1.0, rel_tol=checker.rtol)):
+        return (
+            "the context-parallel ranks' shards do not add up to the whole sequences: each "
+            "rank must count and weigh what it holds of each sequence (a mean over a "
+            "sequence's tokens divides by the whole sequence's count, as "
+            "lossweight.aggregate(..., positions=...) does), or the gradient of the shards "
+            "is not reduced over the context-parallel ranks"
+        )
     if factor is not None and not math.isclose(factor, 1.0, rel_tol=checker.rtol):
         if world_size > 1 and math.isclose(factor * world_size, 1.0, rel_tol=1e-3):
             return (
