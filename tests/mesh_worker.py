@@ -8,7 +8,8 @@
   averaged over the sequences (``aggregate(..., positions=...)``: every cp rank weighs its
   share of each sequence, so that a sequence counts once);
 - ``"hsdp"``: FSDP2 over a (replicate, shard) mesh, every rank with data of its own; counts over
-  the whole mesh;
+  the whole mesh; ``"hsdp, summed"``: the same with ``set_gradient_divide_factor(1.0)`` (FSDP2
+  sums the ranks' gradients) and ``grad_reduction="sum"``;
 - ``"dp x tp"``: the MLP tensor-parallel over ``"tp"`` (column-wise, then row-wise), FSDP2 over
   ``"dp"``; both tp ranks of a dp rank hold its data; counts over ``mesh["dp"]``;
 - ``"pp x dp, GPipe"`` and ``"pp x dp, 1F1B"``: the model split into 2 pipeline stages
@@ -55,7 +56,7 @@ PIPELINES = ("pp x dp, GPipe", "pp x dp, 1F1B", "pp x dp, GPipe dividing")
 # Built wrong on purpose, to show that the data tell right from wrong: the schedule divides the
 # gradients by the number of microbatches, and the Accumulator is not told.
 UNANNOUNCED = "pp x dp, GPipe dividing unannounced"
-LAYOUTS = ("dp x cp", "dp x cp, sequence mean", "hsdp", "dp x tp", *PIPELINES)
+LAYOUTS = ("dp x cp", "dp x cp, sequence mean", "hsdp", "hsdp, summed", "dp x tp", *PIPELINES)
 MODES = ("count-first", "scale-after")
 
 
@@ -246,13 +247,16 @@ def _layout_step(
         return step(wrapped, acc, pieces, mode, sync, sequence_mean), wrapped.module
     if layout in (*PIPELINES, UNANNOUNCED):
         return _pipeline_step(layout, mode, model)
-    if layout == "hsdp":
+    if layout.startswith("hsdp"):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        pieces = [_unpack(spec) for spec in DATA[layout][dist.get_rank()]]
-        for layer in (model.embed, model.up, model.down):
+        pieces = [_unpack(spec) for spec in DATA["hsdp"][dist.get_rank()]]
+        for layer in (model.embed, model.up, model.down, model):
             fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        acc = lossweight.Accumulator(loss_reduction="sum", group=mesh)
+        summed = layout.endswith("summed")  # FSDP2 sums the ranks' gradients, dividing by 1
+        for layer in (model.embed, model.up, model.down, model) if summed else ():
+            layer.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+        reduction = "sum" if summed else "mean"
+        acc = lossweight.Accumulator(loss_reduction="sum", group=mesh, grad_reduction=reduction)
     else:  # dp x tp
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         dp = mesh["dp"].get_local_rank()

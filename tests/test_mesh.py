@@ -1,9 +1,9 @@
 """group= a DeviceMesh, on a real gloo world of 4 processes: dp x cp under DDP (with a token
 mean, and with each sequence's mean averaged over the sequences, each cp rank holding half of
-every sequence), HSDP under FSDP2, dp x tp (a tensor-parallel MLP under FSDP2), and 2 pipeline
-stages x 2 dp ranks (torch.distributed.pipelining's GPipe under DDP, 1F1B under FSDP2), each
-against the single-process fp64 full batch (tests/mesh_worker.py), counting first and scaling
-after."""
+every sequence), HSDP under FSDP2 (dividing by the ranks, and summing), dp x tp (a tensor-
+parallel MLP under FSDP2), and 2 pipeline stages x 2 dp ranks (torch.distributed.pipelining's
+GPipe under DDP, 1F1B under FSDP2), each against the single-process fp64 full batch
+(tests/mesh_worker.py), counting first and scaling after."""
 
 from __future__ import annotations
 
