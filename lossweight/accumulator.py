@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -80,8 +81,8 @@ class Accumulator:
             ``"mean"`` (DDP, FSDP), ``"sum"``, or the number it divides their sum by.
         group: the ranks holding different data (default: the default group, at each begin()):
             a process group, or a ``DeviceMesh`` of them, ``mesh["dp"]``, ``mesh["dp", "cp"]``.
-        pipeline: the dimension of ``group`` (a mesh) whose ranks are pipeline stages, of which
-            the last computes the loss: ``group=mesh["pp", "dp"], pipeline="pp"``.
+        pipeline: the dimension of a ``group`` mesh (then of the stages too) whose ranks are
+            pipeline stages, the last computing the loss: ``mesh["pp", "dp"]``, ``"pp"``.
         collective: a :class:`Collective` to reduce with instead of a process group.
         loss_logging: ``"end"`` (``end()`` reduces a count-first step's loss: one more
             all-reduce) or ``"next_step"`` (it travels with the next reduction, or ``flush()``).
@@ -144,7 +145,7 @@ class Accumulator:
         1-D tensor, or a sequence of numbers or 0-dim tensors; integers, but floats for
         ``weight_sum``; those that normalise a term are required); its all-reduce starts here.
         Scale after: the ``parameters`` whose gradients ``end()`` rescales (None or zero now):
-        a module, an optimizer, or tensors. ``step``: the loop's own step number, the same on
+        modules, an optimizer, or tensors. ``step``: the loop's own step number, the same on
         every rank (default: ``steps + 1``), so that a rank that skips an iteration is caught at
         once. ``with acc.begin(...):`` abandons on an error."""
         given = {"samples": num_samples, "tokens": num_tokens, "weight_sum": weight_sum}
@@ -180,8 +181,8 @@ class Accumulator:
         (counting first, checked against begin()'s). A microbatch of weight 0 adds nothing to a
         term: its loss (a NaN of 0/0 included) reaches no gradient and no log."""
         losses = _losses(loss, self.options.terms)
-        if self._resolver.stages[0] > 1 and _torch.inferring_pipeline_shapes():
-            return sum(losses[1:], losses[0])  # torch's shape inference, not a microbatch
+        if (inferred := _shape_inference(losses, self._resolver.pipelined)) is not None:
+            return inferred  # torch's shape inference, not a microbatch
         given = (num_samples is not None, num_tokens is not None, weight_sum is not None)
         counts = {"samples": num_samples, "tokens": num_tokens, "weight_sum": weight_sum}
         if any(given):  # validated; a count-first step checks them against begin()'s
@@ -237,7 +238,7 @@ class Accumulator:
         norm, as ``torch.nn.utils.clip_grad_norm_`` over the parameters given to ``begin()``
         does, each gradient once; ``result.grad_norm`` is their norm before clipping."""
         if max_grad_norm is not None:
-            _check_max_grad_norm(max_grad_norm, self._tensors)
+            _check_max_grad_norm(max_grad_norm, self._tensors, self._resolver.stages[0])
         step, tensors, collective = self.state.step, self._tensors, self._collective
         state = machine.end(self.state, _traced(tensors))
         assert step is not None and tensors is not None and collective is not None
@@ -542,8 +543,9 @@ def _opening(
             weighted = next(t.name for t in options.terms if t.count == count)
             raise error("weight_missing", name=ARGUMENTS[count], term=weighted, weight_by=count)
     counts = {n: c if c is None else _counts(n, c, 1) for n, c in given.items()}
-    if not loss:
-        counts = {n: c if c is None else [0] * len(c) for n, c in counts.items()}
+    if not loss:  # every count given, so that no reported count looks lacking here
+        size = next(len(c) for c in counts.values() if c is not None)
+        counts = {n: [0] * size for n in counts}
     lengths = {ARGUMENTS[n]: len(c) for n, c in counts.items() if c is not None}
     if len(set(lengths.values())) > 1:
         raise error("lengths_differ", lengths=lengths)
@@ -574,10 +576,28 @@ def _not_into_another_step(losses: tuple[torch.Tensor, ...], own: object) -> Non
             raise error("into_another_step")
 
 
-def _check_max_grad_norm(value: object, tensors: CountFirst | ScaleAfter | None) -> None:
+def _shape_inference(losses: tuple[torch.Tensor, ...], pipelined: bool) -> torch.Tensor | None:
+    """Where torch.distributed.pipelining calls the loss function to infer a stage's shapes
+    (never inside a compiled graph, which cannot walk the stack): the losses, unscaled, since
+    no microbatch of the step is taken; an error if the Accumulator was not told of the
+    pipeline, whose step would otherwise count a microbatch twice."""
+    if "torch.distributed.pipelining" not in sys.modules or torch.compiler.is_compiling():
+        return None
+    if not _torch.inferring_pipeline_shapes():
+        return None
+    if not pipelined:
+        raise error("pipeline_unset")
+    return sum(losses[1:], losses[0])
+
+
+def _check_max_grad_norm(
+    value: object, tensors: CountFirst | ScaleAfter | None, stages: int
+) -> None:
     """Before the step closes: a clip that would fail must leave the step open."""
     if not terms.finite(value) or not value > 0:  # type: ignore[operator]
         raise error("bad_max_grad_norm", value=value)
+    if stages > 1:
+        raise error("clip_pipeline", value=value)
     if isinstance(tensors, CountFirst):
         raise error("clip_count_first", value=value)
     if tensors is not None and any(
@@ -609,6 +629,9 @@ def _parameter_list(parameters: object) -> list[torch.Tensor]:
         raise error("parameters_type", shown=shown)
     found: dict[int, torch.Tensor] = {}
     for index, item in enumerate(parameters):
+        if isinstance(item, torch.nn.Module):  # several modules: a rank's pipeline stages
+            found.update((id(p), p) for p in item.parameters())
+            continue
         tensor = item[1] if isinstance(item, tuple) and len(item) == 2 else item
         if not isinstance(tensor, torch.Tensor):
             raise error("parameter_type", index=index, value=item)

@@ -129,6 +129,7 @@ class CollectiveResolver:
         # How many pipeline stages the group's ranks are split into, and whether this rank
         # holds the last, which computes the loss: a mesh knows its own ranks' places.
         self.stages: tuple[int, bool] = (1, True)
+        self.pipelined = pipeline is not None
         if pipeline is not None and isinstance(group, DeviceMesh):
             dim, size = names.index(pipeline), group.size(names.index(pipeline))
             self.stages = (size, group.get_local_rank(dim) == size - 1)

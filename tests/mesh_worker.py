@@ -187,6 +187,7 @@ def run(rank: int, world_size: int) -> dict:
                 "expected_loss": expected["loss"],
                 "expected_tokens": expected["tokens"],
                 "lossweight_collectives": COLLECTIVES.get(f"{layout}/{mode}"),
+                "samples": SAMPLES.get(f"{layout}/{mode}"),
             }
     stages = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     acc = lossweight.Accumulator(loss_reduction="sum", group=stages, pipeline="pp")
@@ -196,6 +197,12 @@ def run(rank: int, world_size: int) -> dict:
             acc.scale_loss(torch.tensor(1.0))
         except RuntimeError as refused:
             outcome["first_stage_scales"] = str(refused)
+    acc.abandon()
+    acc.begin(parameters=[torch.nn.Parameter(torch.ones(()))])
+    try:
+        acc.end(max_grad_norm=1.0)
+    except ValueError as refused:
+        outcome["pipeline_clip"] = str(refused)
     acc.abandon()
     for name, mesh in {
         "tp_refused": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
@@ -274,6 +281,7 @@ def _layout_step(
 
 # The collectives lossweight issued in each pipelined step, by its name in ``run()``'s outcome.
 COLLECTIVES: dict[str, dict[str, int]] = {}
+SAMPLES: dict[str, int] = {}  # and the rows they reported
 
 
 @contextlib.contextmanager
@@ -334,8 +342,11 @@ def _pipeline_step(
     kind = Schedule1F1B if layout.endswith("1F1B") else ScheduleGPipe
     schedule = kind(stage, 2, loss_fn=loss_fn, scale_grads=dividing)
     with count_collectives() as seen:  # lossweight's own, around the schedule's step
-        if mode == "count-first":  # every stage holds the labels; the last one's counts count
-            acc.begin(num_tokens=[lossweight.count_tokens(y) for y in labels.tensor_split(2)])
+        if mode == "count-first" and pp == 1:  # the last stage's counts are the step's
+            counts = [lossweight.count_tokens(y) for y in labels.tensor_split(2)]
+            acc.begin(num_tokens=counts, num_samples=[2, 2])
+        elif mode == "count-first":  # an earlier stage may give zeros (or the same counts)
+            acc.begin(num_tokens=[0, 0])
         else:
             acc.begin(parameters=stage_module)
         with paused(seen):
@@ -343,6 +354,7 @@ def _pipeline_step(
         result = acc.end()
         result.loss.item()  # a count-first step reduces its loss in end()
     COLLECTIVES[f"{layout}/{mode}"] = dict(seen.calls)
+    SAMPLES[f"{layout}/{mode}"] = int(result.num_samples.item())
     # The whole model's gradient, each stage's part from the ranks that hold that stage.
     held = {n: full(p.grad, p).tolist() for n, p in model.named_parameters() if p.grad is not None}
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -356,3 +368,33 @@ def _pipeline_step(
 
 def _unpack(spec: tuple[int, int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return microbatch(*spec)
+
+
+def one_stage(rank: int, world_size: int, told: bool) -> dict:
+    """A pipeline of one stage on one process, whose stage is built without its shapes, so
+    that torch 2.13 calls the loss function to infer them at the first step: with ``told``,
+    the Accumulator knows of the pipeline (a mesh with a "pp" dimension of size 1)."""
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    model = TokenModel()
+    options: dict[str, Any] = {"group": mesh, "pipeline": "pp"} if told else {}
+    acc = lossweight.Accumulator(loss_reduction="sum", **options)
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return acc.scale_loss(lossweight.token_cross_entropy(output, target)[0])
+
+    stage = PipelineStage(model, 0, 1, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = ScheduleGPipe(stage, 2, loss_fn=loss_fn, scale_grads=False)
+    tokens, labels = _unpack(DATA["pp x dp"][0][0])
+    acc.begin(num_tokens=[lossweight.count_tokens(y) for y in labels.tensor_split(2)])
+    try:
+        schedule.step(tokens, target=labels)
+    except RuntimeError as refused:
+        return {"refused": str(refused)}
+    acc.end()
+    whole = copy.deepcopy(model)
+    whole.zero_grad()
+    loss_sum, count = lossweight.token_cross_entropy(whole(tokens), labels)
+    (loss_sum / count).backward()
+    grads = [p.grad for p in model.parameters()]
+    return {"relative_error": max_relative_error(grads, [p.grad for p in whole.parameters()])}

@@ -76,3 +76,28 @@ def test_pipeline_stages_need_no_collective_of_their_own(
     expected = {"all_reduce": 2 if mode == "count-first" else 1}
     for rank in runs:
         assert rank[f"{layout}/{mode}"]["lossweight_collectives"] == expected
+
+
+def test_earlier_stages_giving_zeros_leave_the_reported_count_known(runs: list[dict]) -> None:
+    # Counting first, the last stage reports num_samples beside num_tokens and the first stage
+    # gives zero tokens only; the step's rows (2 dp ranks x 4) reach every rank.
+    for rank in runs:
+        for layout in mesh_worker.PIPELINES:
+            assert rank[f"{layout}/count-first"]["samples"] == 8
+
+
+def test_clipping_in_end_is_refused_under_a_pipeline(runs: list[dict]) -> None:
+    for rank in runs:
+        assert "under pipeline= each stage holds a part of the model" in rank["pipeline_clip"]
+
+
+@pytest.mark.parametrize("told", [True, False])
+def test_torchs_shape_inference_call_takes_no_microbatch(told: bool) -> None:
+    (outcome,) = values(run_ranks(1, mesh_worker.one_stage, told, deadline=60))
+    if told:  # a pipeline of one stage, told: exact
+        assert outcome["relative_error"] < 1e-12, outcome
+    else:  # not told: the call would count microbatch 0 twice, so it is refused
+        assert (
+            "called by torch.distributed.pipelining to infer a stage's shapes" in outcome["refused"]
+        )
+        assert "pipeline='pp'" in outcome["refused"]

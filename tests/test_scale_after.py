@@ -333,7 +333,7 @@ class Tied(torch.nn.Module):
 
 @pytest.mark.parametrize(
     "listing",
-    ["chain", "twice", "module", "optimizer"],
+    ["chain", "twice", "module", "modules", "optimizer"],
 )
 def test_every_gradient_is_rescaled_once_however_the_parameters_are_listed(listing: str) -> None:
     # Each microbatch's summed loss is 2 * count * w (each of count tokens looks the shared
@@ -349,6 +349,7 @@ def test_every_gradient_is_rescaled_once_however_the_parameters_are_listed(listi
         "chain": lambda: itertools.chain(model.encoder.parameters(), model.decoder.parameters()),
         "twice": lambda: [model.encoder[0].weight, model.encoder[0].weight],
         "module": lambda: model,
+        "modules": lambda: [model.encoder, model.decoder],  # a rank's pipeline stages, say
         "optimizer": lambda: optimizer,
     }[listing]()
     acc = Accumulator(loss_reduction="sum", weight_estimate=10.0)

@@ -897,3 +897,25 @@ def test_a_bad_context_parallel_is_refused(value: object) -> None:
             collate,
             context_parallel=value,  # type: ignore[arg-type]
         )
+
+
+def test_a_naive_loop_under_context_parallelism_is_blamed_on_its_weighting() -> None:
+    def naive(net: torch.nn.Module, microbatches: list, collective: Any, shard: Any) -> None:
+        keep = shard.positions(LENGTH)
+        for x, y in microbatches:
+            loss = F.cross_entropy(
+                net(x[:, keep]).flatten(0, 1), y[:, keep].flatten(), ignore_index=IGNORE
+            )
+            (torch.nan_to_num(loss) / len(microbatches)).backward()
+
+    with pytest.raises(AssertionError) as caught:
+        assert_split_invariant(naive, model(), examples(), collate, context_parallel=2)
+    report = str(caught.value)
+    assert "so with each rank holding whole sequences too" in report
+    assert "shards do not add up" not in report
+
+
+@pytest.mark.parametrize(("rank", "size"), [(0, 0), (2, 2), (-1, 2)])
+def test_a_shard_out_of_range_is_refused(rank: int, size: int) -> None:
+    with pytest.raises(ValueError, match="a rank from 0 to size - 1"):
+        ContextShard(rank, size)

@@ -67,6 +67,13 @@ class ContextShard:
     rank: int
     size: int
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(
+                f"ContextShard(rank={self.rank!r}, size={self.size!r}): pass a size of 1 or "
+                "more and a rank from 0 to size - 1"
+            )
+
     def positions(self, length: int) -> slice:
         """The positions of a sequence of ``length`` this rank holds."""
         quotient, remainder = divmod(length, self.size)
@@ -201,14 +208,16 @@ class _Checker:
         self.distributed = _distributed()
         self._before = _state(model)
 
-    def run(self, split: Split) -> _Run:
+    def run(self, split: Split, whole_sequences: bool = False) -> _Run:
         """The split's step: each rank on its own copy of the model, the ranks' gradients
-        combined as a data-parallel wrapper combines them (summed, then divided by ``D``)."""
+        combined as a data-parallel wrapper combines them (summed, then divided by ``D``);
+        ``whole_sequences``: each rank holds whole sequences, however many context-parallel
+        ranks the check simulates."""
         if self.distributed:
             return self._run_distributed(split)
         # Each data-parallel rank of the split as `cp` ranks that hold the same microbatches,
         # each its shard of every sequence; the wrapper reduces over all of them.
-        cp = self.context_parallel or 1
+        cp = 1 if whole_sequences else self.context_parallel or 1
         if len(split.ranks) * cp == 1:
             ranks = [self.rank(split.ranks[0], SingleProcess())]
         else:
@@ -416,8 +425,15 @@ def assert_split_invariant(
         if problem:
             raise AssertionError(problem)
         difference = _difference(checker, run, reference)
+        sharded = True
+        if difference and (checker.context_parallel or 1) > 1:
+            # Blamed on the sharding only where the same split of whole sequences passes.
+            whole = checker.run(split, whole_sequences=True)
+            if _difference(checker, whole, reference):
+                run, sharded = whole, False
+                difference += "; so with each rank holding whole sequences too"
         if difference:
-            cause = _likely_cause(checker, split, run, reference)
+            cause = _likely_cause(checker, split, run, reference, sharded)
             problems.append(f"- {split}:\n    {difference}\n    likely cause: {cause}")
     if problems:
         logged = reference.losses[0]
@@ -676,13 +692,15 @@ def _difference(checker: _Checker, run: _Run, reference: _Run) -> str:
     return "; ".join(found)
 
 
-def _likely_cause(checker: _Checker, split: Split, run: _Run, reference: _Run) -> str:
+def _likely_cause(
+    checker: _Checker, split: Split, run: _Run, reference: _Run, sharded: bool = True
+) -> str:
     if not all(bool(torch.isfinite(g).all()) for g in run.gradients):
         return (
             "an empty microbatch's mean over zero items (0 / 0) reached the gradient; guard "
             "it, or use a summed loss (lossweight's scale_loss() guards it)"
         )
-    world_size, cp = len(split.ranks), checker.context_parallel or 1
+    world_size, cp = len(split.ranks), (checker.context_parallel or 1) if sharded else 1
     factor = _proportion(run.gradients, reference.gradients)
     if cp > 1 and factor is not None and math.isclose(factor * cp, 1.0, rel_tol=1e-3):
         return (
