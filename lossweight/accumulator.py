@@ -309,9 +309,9 @@ class Accumulator:
 
 
 class _InFlight:
-    """The reductions: the world they run in (its size, ``D`` and the options' codes), those
-    not yet checked, a count-first step's loss that waits (``loss_logging="next_step"``) for
-    the next one to carry it, and the ``W`` the next scale-after step assumes."""
+    """The reductions: their world (data-parallel ranks, ``D``, the options' codes), those not
+    yet checked, a count-first step's loss that waits (``loss_logging="next_step"``) for the
+    next one to carry it, and the ``W`` the next scale-after step assumes."""
 
     def __init__(self, options: Options, layout: Layout) -> None:
         self.options, self.layout, self.default = options, layout, float(options.weight_estimate)

@@ -131,7 +131,7 @@ class CollectiveResolver:
         self.stages: tuple[int, bool] = (1, True)
         self.pipelined = pipeline is not None
         if pipeline is not None and isinstance(group, DeviceMesh):
-            dim, size = names.index(pipeline), group.size(names.index(pipeline))
+            size = group.size(dim := names.index(pipeline))
             self.stages = (size, group.get_local_rank(dim) == size - 1)
         if isinstance(collective, type):
             raise error("collective_class", value=collective, name=collective.__name__)
