@@ -20,10 +20,21 @@ Groups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
 GRAPH_ASSERTS = torch.version.hip is None and TorchVersion(torch.__version__) >= "2.9"
 
 
-def mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The process group over every rank of ``mesh``: its own for one dimension, else the
-    group of its dimensions flattened into one (``DeviceMesh._flatten``, cached by torch; made
-    on every rank of the mesh's root at once, as the first ``begin()`` is)."""
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The mesh ``mesh`` was sliced from (itself if it was not); None where torch has no
+    ``DeviceMesh._concatenate`` to join another of its dimensions to ``mesh``'s."""
+    if not hasattr(DeviceMesh, "_concatenate"):
+        return None
+    return mesh._get_root_mesh()
+
+
+def mesh_group(mesh: DeviceMesh, also: tuple[str, ...] = ()) -> dist.ProcessGroup:
+    """The process group over every rank of ``mesh`` and of its root's dimensions ``also``:
+    its own for one dimension, else the group of its dimensions flattened into one
+    (``DeviceMesh._flatten``, cached by torch; made on every rank of the mesh's root at once,
+    as the first ``begin()`` is)."""
+    if also:
+        mesh = DeviceMesh._concatenate([mesh, mesh._get_root_mesh()[also]])
     return mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
 
 

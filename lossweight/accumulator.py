@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import _torch, machine, payload, terms
-from .collectives import Collective, CollectiveResolver
+from .collectives import Collective, CollectiveResolver, ProcessGroupCollective
 from .errors import device_message, error
 from .result import PendingLoss, StepResult
 from .steps import CountFirst, ScaleAfter, accelerator_of
@@ -335,13 +335,15 @@ class _InFlight:
         return self.estimate  # type: ignore[return-value]
 
     def adopt(self, collective: Collective, stages: int) -> float:
-        """``D`` for this world of ``stages`` pipeline stages, and its codes (made when the
-        number of data-parallel ranks changes). A loss that waits is reduced over the
-        collective it was computed in, or never."""
+        """``D`` for this world of ``stages`` pipeline stages (and tensor-parallel peers), and
+        its codes (made when the number of data-parallel ranks changes). A loss that waits is
+        reduced over the collective it was computed in, or never."""
         if self.pending is not None and self.pending.collective is not collective:
             step = self.drop("the process group changed before the loss was reduced")
             raise error("pending_elsewhere", step=step, ranks=collective.world_size)
-        if (replicas := collective.world_size // stages) != self.world[0]:
+        peers = collective.peers if isinstance(collective, ProcessGroupCollective) else None
+        replicas = collective.world_size // stages // (peers.size if peers else 1)
+        if replicas != self.world[0]:
             divisor = self.options.divisor(replicas)
             self.world = (replicas, divisor, self.options.codes(divisor))
         return self.world[1]

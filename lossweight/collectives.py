@@ -5,6 +5,7 @@ else: another framework's communicator, or ranks simulated in one process (as
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -64,7 +65,24 @@ class SingleProcess:
 
 _SINGLE_PROCESS = SingleProcess()
 # Mesh dimensions whose ranks hold the same data: tensor, expert-tensor and pipeline parallel.
-_MODEL_PARALLEL = ("tp", "etp", "pp")
+_TENSOR_PARALLEL = {"tp", "etp"}
+_MODEL_PARALLEL = {*_TENSOR_PARALLEL, "pp"}
+
+
+@dataclass(frozen=True)
+class Peers:
+    """Ranks of a reduction that hold the same data: the ranks of each tensor-parallel group
+    (along ``dimensions``) of a mesh's data-parallel ranks. ``size`` ranks in each of ``groups``
+    groups; this rank is in group ``index``, and ``first`` if its counts and losses are the ones
+    added up (every rank's are checked against those of its group)."""
+
+    dimensions: tuple[str, ...]
+    size: int
+    groups: int
+    index: int
+    first: bool
+
+
 # Device types each torch.distributed backend reduces on.
 _BACKEND_DEVICE_TYPES = {"gloo": ("cpu",), "nccl": ("cuda",), "xccl": ("xpu",), "mpi": ("cpu",)}
 
@@ -75,8 +93,8 @@ class ProcessGroupCollective:
     ``begin()``'s), with the functional all-reduce that torch.compile traces. A group of several
     backends (``"cpu:gloo,cuda:nccl"``) reduces on each of their devices."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group, self.world_size = group, dist.get_world_size(group)
+    def __init__(self, group: dist.ProcessGroup | None = None, peers: Peers | None = None) -> None:
+        self.group, self.world_size, self.peers = group, dist.get_world_size(group), peers
         named = group if group is not None else dist.group.WORLD
         assert named is not None  # get_world_size() found the default group
         self._group_name, backend = named.group_name, str(dist.get_backend(group))
@@ -107,7 +125,9 @@ class CollectiveResolver:
     one given explicitly (or its group, or the group over a ``DeviceMesh``'s ranks), else the
     default group if torch.distributed is initialized (cached until it changes), else a single
     process. So an Accumulator made before ``init_process_group()``, or restored into a job of
-    another size, reduces over the world that exists when its step begins."""
+    another size, reduces over the world that exists when its step begins. A mesh whose root
+    has tensor-parallel dimensions reduces over them too, so that the counts of each
+    tensor-parallel group's ranks are checked to agree: see :class:`Peers`."""
 
     def __init__(
         self,
@@ -124,8 +144,9 @@ class CollectiveResolver:
             if group.ndim > 1 and len(names) < group.ndim:
                 raise error("mesh_unnamed", mesh=group)
             for name in names:
-                if name != pipeline and set(name.split("_")) & set(_MODEL_PARALLEL):
+                if name != pipeline and set(name.split("_")) & _MODEL_PARALLEL:
                     raise error("mesh_model_parallel", mesh=group, name=name)
+        self.peers = _peers(group, names) if isinstance(group, DeviceMesh) else None
         # How many pipeline stages the group's ranks are split into, and whether this rank
         # holds the last, which computes the loss: a mesh knows its own ranks' places.
         self.stages: tuple[int, bool] = (1, True)
@@ -158,14 +179,33 @@ class CollectiveResolver:
         if self._cached is None or self._cached[0] is not key:
             group = self._group
             if isinstance(group, DeviceMesh):
-                group = _torch.mesh_group(group)
-            self._cached = (key, ProcessGroupCollective(group))
+                group = _torch.mesh_group(group, self.peers.dimensions if self.peers else ())
+            self._cached = (key, ProcessGroupCollective(group, self.peers))
         if (group := self._cached[1].group) is not None:
             try:  # get_backend() raises for a group torch no longer knows
                 dist.get_backend(group)
             except ValueError:
                 raise error("group_destroyed", group=self._group) from None
         return self._cached[1]
+
+
+def _peers(mesh: DeviceMesh, names: tuple[str, ...]) -> Peers | None:
+    """The tensor-parallel groups of ``mesh``'s ranks: along its root's tensor-parallel
+    dimensions, which the ranks of ``mesh`` are not spread over."""
+    if (root := _torch.root_mesh(mesh)) is None:
+        return None
+    dimensions = tuple(
+        name
+        for index, name in enumerate(root.mesh_dim_names or ())
+        if name not in names and set(name.split("_")) & _TENSOR_PARALLEL and root.size(index) > 1
+    )
+    if not dimensions:
+        return None
+    index = 0  # this rank's group: its place in mesh, the same for every rank of the group
+    for size, place in zip(mesh.shape, mesh.get_coordinate() or (), strict=True):
+        index = index * size + place
+    first = all(root.get_local_rank(name) == 0 for name in dimensions)
+    return Peers(dimensions, root[dimensions].size(), mesh.size(), index, first)
 
 
 def start_all_reduce(

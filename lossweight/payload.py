@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from . import _torch, terms
-from .collectives import Collective, Waitable, start_all_reduce
+from .collectives import Collective, Peers, ProcessGroupCollective, Waitable, start_all_reduce
 from .errors import device_message, error
 from .terms import ARGUMENTS, COUNTS, FIELDS, Layout, Term
 
@@ -35,6 +35,10 @@ class Reduction:
     checked when first used. ``traceable``: the result is always used, maybe in a graph
     torch.compile traces."""
 
+    _peers: Peers | None
+    _error: Exception | None
+    _verdict: _torch.Verdict | None
+
     def __init__(
         self,
         collective: Collective,
@@ -45,10 +49,10 @@ class Reduction:
         flags: Mapping[str, tuple[bool, bool]],
         losses: Mapping[bool, torch.Tensor | None],
         traceable: bool = False,
+        microbatches: Mapping[str, Sequence[object] | torch.Tensor | None] | None = None,
     ) -> None:
-        limbs = [(LIMB - 1) / 2] * len(COUNTS)  # a high limb's sum is in [0, LIMB)
-        agreement = [*codes, *(code * code for code in codes)]
-        # The payload, then the centre and radius of each checked slot: |sum - centre| <= radius.
+        limbs, agreement = [(LIMB - 1) / 2] * len(COUNTS), [*codes, *(c * c for c in codes)]
+        # The payload, then each checked slot's centre and radius (a high limb's sum: [0, LIMB)).
         centre = [collective.world_size * code for code in agreement] + limbs
         radius = [0.0] * len(agreement) + limbs
         host = [*agreement, *[0.0] * (layout.length - len(agreement)), *centre, *radius]
@@ -69,12 +73,12 @@ class Reduction:
                 sums, nonfinite = layout.losses[previous]
                 payload[sums].copy_(loss)  # copy_ moves a loss's device too
                 payload[nonfinite].copy_(loss - loss != 0)
+        payload, self._peers = _with_peers(payload, layout, collective, microbatches or {})
         self.layout, self._payload, self._codes = layout, payload, codes
         self._world_size, self._collective = collective.world_size, type(collective).__name__
         self._handle: Waitable | None = start_all_reduce(collective, payload, traceable)
         self._checked = self.settled = False  # settled: checked, its verdict known on the host
-        self._error: Exception | None = None
-        self._verdict: _torch.Verdict | None = None
+        self._error = self._verdict = None
 
     @property
     def device(self) -> torch.device:
@@ -156,12 +160,17 @@ class Reduction:
         self._checked = True
         centre, radius = self._bounds
         checked = (self._payload[: self.layout.checked] - centre).abs() <= radius
+        if (peers := self._peers) is not None:  # each group's fingerprints all the same
+            sums, squares = self._payload[self.layout.length :].view(2, -1).to(torch.int64)
+            checked = torch.cat((checked, (peers.size * squares == sums * sums).all()[None]))
         if torch.compiler.is_compiling() and not _torch.GRAPH_ASSERTS:
             message = device_message("graph_asserts", version=torch.__version__)
             _torch.untraced(message, lambda: self._check_on_host(checked))
         elif torch.compiler.is_compiling():
+            dimensions = () if peers is None else peers.dimensions
+            messages = (*_ASSERT_MESSAGES, device_message("peers_differ", dimensions=dimensions))
             for index, passed in enumerate(checked):
-                _torch.assert_true(passed, _ASSERT_MESSAGES[index])
+                _torch.assert_true(passed, messages[index])
         elif self.device.type in CHECKED_ON_HOST:
             self._check_on_host(checked)
         elif self.device.type != "meta":  # a meta tensor has no values to check
@@ -193,9 +202,11 @@ class Reduction:
         elif problems:
             text = "; ".join(problems)
             self._error = error("cannot_be_reduced", step=codes[0], ranks=ranks, problems=text)
-        else:
-            names = [ARGUMENTS[n] for i, n in enumerate(COUNTS) if not passed[2 * _CODES + i]]
+        elif names := [ARGUMENTS[n] for i, n in enumerate(COUNTS) if not passed[2 * _CODES + i]]:
             self._error = error("total_too_large", name=" and ".join(names))
+        else:  # only the last check failed: the peers'
+            assert self._peers is not None
+            self._error = error("peers_differ", dimensions=self._peers.dimensions)
         raise self._error from None
 
 
@@ -224,6 +235,52 @@ def _problem(field: str, mean: float, square: float, own: tuple[int, ...], descr
         shown = "the W its last step reduced" if math.isnan(number) else f"{number:g}"
         return device_message("differ_estimate", own=shown)
     return device_message("differ_divisor", divisor=number)
+
+
+# A fingerprint of a rank's counts (their float64 bits, in 16-bit pieces, each times a weight
+# of its place), modulo a prime above 2**16: counts that differ in one piece always differ in
+# it; others only where the weighted sum of their pieces' differences is a multiple of the
+# prime. Exact: a fingerprint's square is below 2**40, the sums of 2**13 of them below 2**53,
+# and the check compares T * sum(f**2) with sum(f)**2 in int64.
+_PRIME = 2**20 - 3
+
+
+def fingerprint_of(values: torch.Tensor) -> torch.Tensor:
+    """A 0-dim int64 in [0, 2**20) of a 1-D float64 tensor's bits (see above)."""
+    pieces = values.view(torch.int64)[:, None] >> torch.arange(0, 64, 16, device=values.device)
+    weights = torch.arange(1, pieces.numel() + 1, device=values.device).view_as(pieces)
+    return (pieces.bitwise_and(0xFFFF) * (weights * 40503 % _PRIME)).sum() % _PRIME
+
+
+def _with_peers(
+    payload: torch.Tensor,
+    layout: Layout,
+    collective: Collective,
+    microbatches: Mapping[str, Sequence[object] | torch.Tensor | None],
+) -> tuple[torch.Tensor, Peers | None]:
+    """``payload`` and, for each group of the collective's peers (if it has any), the sum of
+    its ranks' fingerprints, then the sum of their squares: over ``T`` peers ``T * f`` and
+    ``T * f**2`` if and only if every one sent the same ``f``. The fingerprint is of the
+    rank's totals and each microbatch's counts, in order (``microbatches``), since each
+    microbatch's factor comes from its own counts. Only the first peer's counts and losses are
+    added up. Then the peers."""
+    peers = collective.peers if isinstance(collective, ProcessGroupCollective) else None
+    if peers is None:
+        return payload, None
+    device, rows = payload.device, [payload[layout.counts]]
+    for counts in microbatches.values():
+        counts = () if counts is None else counts
+        rows.append(torch.tensor([len(counts)], dtype=torch.float64, device=device))
+        if isinstance(counts, torch.Tensor):
+            rows.append(counts.to(device, torch.float64))
+        elif counts:  # numbers, or 0-dim tensors
+            rows.append(torch.stack([torch.as_tensor(c, device=device) for c in counts]).double())
+    fingerprint = fingerprint_of(torch.cat(rows))
+    slots = payload.new_zeros(2, peers.groups)
+    slots[:, peers.index] = torch.stack((fingerprint, fingerprint * fingerprint))
+    if not peers.first:
+        payload[layout.counts.start :] = 0
+    return torch.cat((payload, slots.view(-1))), peers
 
 
 # Fixed, so that an assert in a compiled graph neither formats a string per reduction nor reads

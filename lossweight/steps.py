@@ -49,7 +49,9 @@ class CountFirst:
         flags = {n: (counts[n] is not None, counts[n] is None and size > 0) for n in COUNTS}
         # traceable: scale_loss() uses the totals in every case, maybe in a compiled graph.
         losses = {True: carried}
-        self.reduction = Reduction(collective, layout, codes, device, totals, flags, losses, True)
+        self.reduction = Reduction(
+            collective, layout, codes, device, totals, flags, losses, True, counts
+        )
         # Each term's weight per microbatch (a constant's term: 1), and where all are numbers,
         # whether each microbatch's are positive, known on the host at no cost.
         rows: list[Any] = [counts[t.count] if t.count else [1] * size for t in self._terms]
@@ -272,7 +274,7 @@ class ScaleAfter:
             flags = {n: (gave[n], not gave[n] and bool(self._losses)) for n in COUNTS}
             losses = {False: self._loss_sum(device), True: carried}
             self.reduction = Reduction(
-                collective, self._layout, codes, device, totals, flags, losses
+                collective, self._layout, codes, device, totals, flags, losses, False, self._counts
             )
         if self.total is None:
             total = self.reduction.total(self._count)

@@ -177,10 +177,11 @@ class Layout:
     this rank gave it and whether it had a microbatch that lacked it; then each term's loss sum
     of this step and whether each was non-finite (the slices ``losses[False]``, in blocks of
     MOST_TERMS slots), and the same two for an earlier step's loss (``losses[True]``).
-    The first ``checked`` slots are checked after the sum."""
+    The first ``checked`` slots are checked after the sum; ``counts`` are the counts' slots."""
 
     terms: tuple[Term, ...]
     reported: tuple[str, ...] = field(init=False)
+    counts: slice = field(init=False)
     high: dict[str, int] = field(init=False)
     low: dict[str, int] = field(init=False)
     flags: dict[str, int] = field(init=False)
@@ -197,6 +198,7 @@ class Layout:
             "low": {count: start + size + i for i, count in enumerate(COUNTS)},
             "flags": {count: start + 2 * size + 2 * i for i, count in enumerate(COUNTS)},
             "checked": start + size,
+            "counts": slice(start, start + 4 * size),
             "losses": tuple((slice(s, s + used), slice(s + terms, s + terms + used)) for s in sums),
             "length": start + 4 * size + 4 * terms,
         }

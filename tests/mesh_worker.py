@@ -204,6 +204,7 @@ def run(rank: int, world_size: int) -> dict:
     except ValueError as refused:
         outcome["pipeline_clip"] = str(refused)
     acc.abandon()
+    outcome.update(_tensor_parallel_steps())
     for name, mesh in {
         "tp_refused": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
         "pp_refused": stages,
@@ -213,6 +214,84 @@ def run(rank: int, world_size: int) -> dict:
             lossweight.Accumulator(loss_reduction="sum", group=mesh)
         except ValueError as refused:
             outcome[name] = str(refused)
+    return outcome
+
+
+# This rank's counts per microbatch, by (dp rank, tp rank), where the ranks of a
+# tensor-parallel group give different counts: in one group only; in both, with each tp
+# rank's sum over the dp ranks the same (8 and 8), which a check of those sums alone would
+# pass; and with the same totals in every group, in another order of microbatches, whose
+# factors would differ.
+TP_COUNTS_DIFFER = {
+    "one_group": {(0, 0): [3], (0, 1): [4], (1, 0): [5], (1, 1): [5]},
+    "cancelling": {(0, 0): [5], (0, 1): [3], (1, 0): [3], (1, 1): [5]},
+    "order": {(0, 0): [3, 5], (0, 1): [5, 3], (1, 0): [4], (1, 1): [4]},
+}
+TP_AGREE = {(0, 0): [3, 5], (0, 1): [3, 5], (1, 0): [0, 4], (1, 1): [0, 4]}
+
+
+def _tensor_parallel_steps() -> dict[str, Any]:
+    """What each mode raises when the tp ranks of a dp rank give different counts, and a run
+    of two steps whose ranks agree, its loss carried to the next step and to flush()."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    place = (mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank())
+    parameter = torch.nn.Parameter(torch.ones((), dtype=torch.float64))
+    outcome: dict[str, Any] = {}
+
+    def one_step(acc: lossweight.Accumulator, counts: list[int], mode: str) -> Any:
+        parameter.grad = None
+        if mode == "count-first":
+            acc.begin(num_tokens=counts)
+        else:
+            acc.begin(parameters=[parameter])
+        for i, count in enumerate(counts):  # each microbatch's summed loss: 2 per token
+            given = {} if mode == "count-first" else {"num_tokens": count}
+            acc.scale_loss(parameter * 2 * count + i * 0, **given).backward()
+        return acc.end()
+
+    for case, counts in TP_COUNTS_DIFFER.items():
+        for mode in MODES:
+            acc = lossweight.Accumulator(loss_reduction="sum", group=mesh["dp"])
+            try:
+                one_step(acc, counts[place], mode)
+            except lossweight.DisagreementError as refused:
+                outcome[f"tp_differ/{case}/{mode}"] = str(refused)
+            acc.abandon()
+    # 2 pipeline stages of 2 tp ranks each: the last stage's tp ranks give 4 and 4 tokens, or
+    # 4 and 5, which every rank of both stages is told of.
+    stages = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    last, tp = stages["pp"].get_local_rank() == 1, stages["tp"].get_local_rank()
+    for case, given in {"agree": [4, 4], "differ": [4, 5]}.items():
+        for mode in MODES:
+            acc = lossweight.Accumulator(
+                loss_reduction="sum", group=stages["pp", "dp"], pipeline="pp"
+            )
+            try:
+                if last:
+                    result = one_step(acc, [given[tp]], mode)
+                elif mode == "count-first":  # an earlier stage: begin() and end() only
+                    acc.begin(num_tokens=[0])
+                    result = acc.end()
+                else:
+                    parameter.grad = None
+                    acc.begin(parameters=[parameter])
+                    result = acc.end()
+                seen = {"tokens": result.num_tokens.item(), "loss": result.loss.item()}
+                outcome[f"pp_tp/{case}/{mode}"] = seen
+            except lossweight.DisagreementError as refused:
+                outcome[f"pp_tp/{case}/{mode}"] = str(refused)
+            acc.abandon()
+    for mode in MODES:
+        acc = lossweight.Accumulator(
+            loss_reduction="sum", group=mesh["dp"], loss_logging="next_step"
+        )
+        first, second = one_step(acc, TP_AGREE[place], mode), one_step(acc, [1], mode)
+        acc.flush()
+        outcome[f"tp_agree/{mode}"] = {
+            "losses": [first.loss.item(), second.loss.item()],
+            "tokens": [first.num_tokens.item(), second.num_tokens.item()],
+            "gradient": parameter.grad.item(),  # the second step's
+        }
     return outcome
 
 

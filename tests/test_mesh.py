@@ -8,6 +8,11 @@ GPipe under DDP, 1F1B under FSDP2), each against the single-process fp64 full ba
 from __future__ import annotations
 
 import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lossweight.payload import fingerprint_of
 
 from . import mesh_worker
 from .gloo import run_ranks, values
@@ -37,6 +42,45 @@ def test_a_tensor_parallel_dimension_in_the_count_group_is_refused(runs: list[di
     for rank in runs:
         assert "has the mesh dimension 'tp', whose ranks hold the same data" in rank["tp_refused"]
         assert "pass the data-parallel dimensions only" in rank["tp_refused"]
+
+
+@pytest.mark.parametrize("mode", mesh_worker.MODES)
+@pytest.mark.parametrize("case", mesh_worker.TP_COUNTS_DIFFER)
+def test_tensor_parallel_ranks_giving_different_counts_is_an_error_on_every_rank(
+    runs: list[dict], case: str, mode: str
+) -> None:
+    # group=mesh["dp"] of a (dp, tp) mesh: the one all-reduce spans the tp ranks too, and
+    # checks that the two ranks of each tp group gave the same counts, group by group.
+    for rank in runs:
+        raised = rank[f"tp_differ/{case}/{mode}"]
+        assert "ranks of one tensor-parallel group (along the mesh dimensions ('tp',)" in raised
+        assert "gave different counts" in raised
+
+
+@pytest.mark.parametrize("mode", mesh_worker.MODES)
+def test_tensor_parallel_ranks_that_agree_add_one_ranks_counts_and_loss(
+    runs: list[dict], mode: str
+) -> None:
+    # Two steps with loss_logging="next_step", the second's loss reduced by flush(): each
+    # group's counts and losses are added once (not once per tp rank), and D is the dp size.
+    for rank in runs:
+        seen = rank[f"tp_agree/{mode}"]
+        assert seen["tokens"] == [3 + 5 + 0 + 4, 2]
+        assert seen["losses"] == [2.0, 2.0]  # every microbatch's loss is 2 per token
+        # The second step: 1 token on each dp rank, DDP-style mean over 2 dp ranks undone by
+        # D = 2: each rank's gradient of its own loss, 2 * 1 * D / W = 2 * 2 / 2.
+        assert seen["gradient"] == 2.0
+
+
+@pytest.mark.parametrize("mode", mesh_worker.MODES)
+def test_tensor_parallel_ranks_of_a_pipeline_stage_are_checked_and_counted_once(
+    runs: list[dict], mode: str
+) -> None:
+    # group=mesh["pp", "dp"], pipeline="pp" of a (pp, dp, tp) mesh of 2 x 1 x 2: the last
+    # stage's 2 tp ranks give 4 tokens each (counted once), or 4 and 5.
+    for rank in runs:
+        assert rank[f"pp_tp/agree/{mode}"] == {"tokens": 4, "loss": 2.0}
+        assert "ranks of one tensor-parallel group" in rank[f"pp_tp/differ/{mode}"]
 
 
 def test_a_mesh_of_unnamed_dimensions_is_refused(runs: list[dict]) -> None:
@@ -101,3 +145,28 @@ def test_torchs_shape_inference_call_takes_no_microbatch(told: bool) -> None:
             "called by torch.distributed.pipelining to infer a stage's shapes" in outcome["refused"]
         )
         assert "pipeline='pp'" in outcome["refused"]
+
+
+# Counts as the payload holds them: float64 integers (count limbs, flags, per-microbatch counts)
+# or float weights.
+numbers = st.lists(
+    st.one_of(st.integers(0, 2**53), st.floats(0, 1e12, allow_nan=False)), min_size=1, max_size=30
+)
+
+
+@given(numbers, st.data())
+def test_counts_that_differ_in_one_16_bit_piece_have_different_fingerprints(
+    values: list[float], data: st.DataObject
+) -> None:
+    own = torch.tensor(values, dtype=torch.float64)
+    other = own.clone()
+    index = data.draw(st.integers(0, len(values) - 1))
+    shift = data.draw(st.sampled_from([0, 16, 32, 48]))
+    bits = other.view(torch.int64)
+    piece = (int(bits[index]) >> shift) & 0xFFFF
+    changed = data.draw(st.integers(0, 0xFFFF).filter(lambda p: p != piece))
+    bits[index] += (changed - piece) << shift
+    print_own, print_other = fingerprint_of(own), fingerprint_of(other)
+    assert print_own == fingerprint_of(own.clone())
+    assert 0 <= int(print_own) < 2**20
+    assert print_own != print_other
