@@ -267,14 +267,19 @@ def _with_peers(
     peers = collective.peers if isinstance(collective, ProcessGroupCollective) else None
     if peers is None:
         return payload, None
-    device, rows = payload.device, [payload[layout.counts]]
+    # The numbers on the host in one copy that does not wait for the device, then the tensors:
+    # peers that give their counts alike (as each runs the same code) lay them out alike.
+    device, rows, host = payload.device, [payload[layout.counts]], array("d")
     for counts in microbatches.values():
         counts = () if counts is None else counts
-        rows.append(torch.tensor([len(counts)], dtype=torch.float64, device=device))
-        if isinstance(counts, torch.Tensor):
-            rows.append(counts.to(device, torch.float64))
-        elif counts:  # numbers, or 0-dim tensors
-            rows.append(torch.stack([torch.as_tensor(c, device=device) for c in counts]).double())
+        host.append(len(counts))
+        tensors = [counts] if isinstance(counts, torch.Tensor) else counts
+        host.extend(c for c in tensors if not isinstance(c, torch.Tensor))  # type: ignore[misc]
+        for c in tensors:
+            if isinstance(c, torch.Tensor):
+                rows.append(c.to(device, torch.float64, non_blocking=True).reshape(-1))
+    if host:
+        rows.append(torch.frombuffer(host, dtype=torch.float64).to(device, non_blocking=True))
     fingerprint = fingerprint_of(torch.cat(rows))
     slots = payload.new_zeros(2, peers.groups)
     slots[:, peers.index] = torch.stack((fingerprint, fingerprint * fingerprint))

@@ -221,11 +221,13 @@ def run(rank: int, world_size: int) -> dict:
 # tensor-parallel group give different counts: in one group only; in both, with each tp
 # rank's sum over the dp ranks the same (8 and 8), which a check of those sums alone would
 # pass; and with the same totals in every group, in another order of microbatches, whose
-# factors would differ.
+# factors would differ, given as Python numbers and as tensors (the counts one would keep on
+# the device).
 TP_COUNTS_DIFFER = {
     "one_group": {(0, 0): [3], (0, 1): [4], (1, 0): [5], (1, 1): [5]},
     "cancelling": {(0, 0): [5], (0, 1): [3], (1, 0): [3], (1, 1): [5]},
     "order": {(0, 0): [3, 5], (0, 1): [5, 3], (1, 0): [4], (1, 1): [4]},
+    "order_in_tensors": {(0, 0): [3, 5], (0, 1): [5, 3], (1, 0): [4], (1, 1): [4]},
 }
 TP_AGREE = {(0, 0): [3, 5], (0, 1): [3, 5], (1, 0): [0, 4], (1, 1): [0, 4]}
 
@@ -238,7 +240,7 @@ def _tensor_parallel_steps() -> dict[str, Any]:
     parameter = torch.nn.Parameter(torch.ones((), dtype=torch.float64))
     outcome: dict[str, Any] = {}
 
-    def one_step(acc: lossweight.Accumulator, counts: list[int], mode: str) -> Any:
+    def one_step(acc: lossweight.Accumulator, counts: Any, mode: str) -> Any:
         parameter.grad = None
         if mode == "count-first":
             acc.begin(num_tokens=counts)
@@ -252,8 +254,9 @@ def _tensor_parallel_steps() -> dict[str, Any]:
     for case, counts in TP_COUNTS_DIFFER.items():
         for mode in MODES:
             acc = lossweight.Accumulator(loss_reduction="sum", group=mesh["dp"])
+            given = torch.tensor(counts[place]) if case.endswith("tensors") else counts[place]
             try:
-                one_step(acc, counts[place], mode)
+                one_step(acc, given, mode)
             except lossweight.DisagreementError as refused:
                 outcome[f"tp_differ/{case}/{mode}"] = str(refused)
             acc.abandon()
