@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-def markdown(results: dict[int, dict], overhead: dict) -> str:
+def markdown(results: dict[int, dict], overhead: dict, layouts: dict) -> str:
     lines = []
     for world_size, variants in results.items():
         lines += [
@@ -41,6 +41,9 @@ def markdown(results: dict[int, dict], overhead: dict) -> str:
     ]
     lines += [f"| {mode} | {us:.0f} |" for mode, us in overhead["group_per_step_us"].items()]
     lines.append("")
+    if layouts:
+        lines += ["lossweight's collectives per step, by parallel layout:", ""]
+        lines.append(layouts_markdown(layouts))
     return "\n".join(lines)
 
 
@@ -89,3 +92,25 @@ def targets(results: dict[int, dict], overhead: dict) -> list[str]:
 def _collectives(figures: dict, prefix: str = "") -> str:
     per_step = figures[f"{prefix}collectives_per_step"]
     return ", ".join(f"{n:g} {name}" for name, n in sorted(per_step.items())) or "0"
+
+
+def layouts_markdown(layouts: dict[str, dict[str, dict]]) -> str:
+    """The collectives, bytes and host syncs per step of each layout (a row) in each mode (a
+    column)."""
+    modes = list(next(iter(layouts.values())))
+    lines = [
+        "| layout (4 ranks) | "
+        + " | ".join(f"{m}: collectives; bytes; host syncs" for m in modes)
+        + " |",
+        "|---|" + "---|" * len(modes),
+    ]
+    for layout, figures in layouts.items():
+        cells = [
+            f"{_collectives({'collectives_per_step': f['calls']})}; {f['bytes']:g}; "
+            f"{f['host_syncs']:g}"
+            if "calls" in f
+            else "differs by rank"
+            for f in (figures[m] for m in modes)
+        ]
+        lines.append(f"| {layout} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -22,6 +22,9 @@ all alike. Reported per variant:
   ``__float__``, ``__int__``, ``__index__``); on a GPU also by
   ``torch.cuda.set_sync_debug_mode``.
 
+Then lossweight's own collectives per step in each parallel layout on 4 gloo processes (data,
+context, tensor and pipeline parallel; ``benchmarks.layouts``), in each mode.
+
 The variants re-create other trainers' per-step patterns from their documented math (the
 collectives, syncs and gradient passes listed in the project's notes), not their code:
 
@@ -46,7 +49,8 @@ Every variant produces the step's logged loss every step, since that is what a t
 
 The modules: ``workload`` (the model and the batches), ``variants`` (the patterns compared),
 ``runner`` (the timed and counted steps on each rank), ``meter`` (the counting), ``overhead``
-(lossweight's own time, in one process), ``report`` (the tables); this one is the command line.
+(lossweight's own time, in one process), ``layouts`` (its collectives in each parallel layout),
+``report`` (the tables); this one is the command line.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ import torch
 
 import lossweight
 
+from .layouts import layout_collectives
 from .overhead import call_overhead, group_overhead
 from .report import markdown, targets
 from .runner import run_ranks
@@ -92,6 +97,7 @@ def main() -> None:
     overhead = call_overhead(args)
     overhead["group_per_step_us"] = group_overhead(2)
     results = {} if args.micro else {n: run_ranks(n, args) for n in args.ranks}
+    layouts = {} if args.micro else layout_collectives()
     device = (
         torch.cuda.get_device_name()
         if torch.cuda.is_available()
@@ -105,11 +111,12 @@ def main() -> None:
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "steps": results,
         "overhead": overhead,
+        "layouts": layouts,
     }
     if args.json is not None:
         args.json.write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(f"{record['date']}, {record['machine']}, torch {record['torch']}\n")
-    print(markdown(results, overhead))
+    print(markdown(results, overhead, layouts))
     for line in targets(results, overhead) if results else []:
         print(line)
 

@@ -3,7 +3,8 @@
 Timings are left to the benchmark itself (docs/performance.md); what it counts is checked
 here: lossweight's collectives per step (one with the logged loss included, or two when a
 count-first step's end() reduces its loss), their bytes, and no host sync on its path, beside
-the documented counts of the other trainers' patterns.
+the documented counts of the other trainers' patterns; and the same figures for lossweight
+in each parallel layout.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 
 import pytest
 
+from benchmarks.layouts import layout_collectives
 from benchmarks.step_cost import run_ranks
 from lossweight.terms import Layout, Term
 
@@ -68,3 +70,21 @@ def test_the_other_patterns_cost_what_their_math_says(counts: dict) -> None:
     for name in ("Composer pattern", "torchtune pattern"):
         assert counts[name]["collectives_per_step"] == {"all_reduce": 2}
         assert counts[name]["host_reads_per_step"] == 2
+
+
+def test_no_parallel_layout_adds_a_collective_or_a_host_sync() -> None:
+    # benchmarks.layouts on 4 gloo processes: every layout's step issues what plain data
+    # parallelism's does, on every rank (a figure that differs by rank is not one dict).
+    # A tensor-parallel mesh adds its agreement check to the same reduction, 16 bytes per
+    # tensor-parallel group (2 groups here); a pipeline adds nothing, its stages sharing it.
+    layouts = layout_collectives()
+    plain = layouts["dp 4 (a process group)"]
+    assert plain["count first"] == {"calls": {"all_reduce": 1}, "bytes": 576, "host_syncs": 0}
+    assert plain["count first, loss in end()"]["calls"] == {"all_reduce": 2}
+    assert plain["scale after"] == plain["count first"]
+    for mode, figures in plain.items():
+        assert layouts["dp 2 x cp 2"][mode] == figures
+        assert layouts["pp 2 x dp 2"][mode] == figures
+        reductions = figures["calls"]["all_reduce"]
+        tensor_parallel = layouts["dp 2 x tp 2"][mode]
+        assert tensor_parallel == {**figures, "bytes": figures["bytes"] + reductions * 2 * 16}
