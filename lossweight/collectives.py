@@ -5,6 +5,7 @@ else: another framework's communicator, or ranks simulated in one process (as
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -94,7 +95,10 @@ class ProcessGroupCollective:
     backends (``"cpu:gloo,cuda:nccl"``) reduces on each of their devices."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, peers: Peers | None = None) -> None:
-        self.group, self.world_size, self.peers = group, dist.get_world_size(group), peers
+        # Held weakly: a process group that outlives destroy_process_group() is torn down at
+        # interpreter exit, where gloo may abort the process.
+        self._group = None if group is None else weakref.ref(group)
+        self.world_size, self.peers = dist.get_world_size(group), peers
         named = group if group is not None else dist.group.WORLD
         assert named is not None  # get_world_size() found the default group
         self._group_name, backend = named.group_name, str(dist.get_backend(group))
@@ -106,6 +110,15 @@ class ProcessGroupCollective:
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device(self._device_types[0])
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group (None: the default group), while torch still holds it."""
+        if self._group is None:
+            return None
+        if (group := self._group()) is None:
+            raise error("group_destroyed", group=self._group_name)
+        return group
 
     def can_reduce_on(self, device: torch.device) -> bool:
         return device.type in self._device_types
@@ -160,7 +173,7 @@ class CollectiveResolver:
             raise error("not_a_collective", value=collective)
         self.explicit = collective is not None or group is not None
         self._group, self._given = group, collective
-        self._cached: tuple[object, ProcessGroupCollective] | None = None
+        self._cached: tuple[weakref.ref[Any], ProcessGroupCollective] | None = None
 
     def resolve(self) -> Collective:
         """The collective to reduce this step over, its world size checked."""
@@ -176,11 +189,11 @@ class CollectiveResolver:
                 raise error("no_process_group", group=self._group)
             return _SINGLE_PROCESS
         key = self._group if self._group is not None else dist.group.WORLD
-        if self._cached is None or self._cached[0] is not key:
+        if self._cached is None or self._cached[0]() is not key:
             group = self._group
             if isinstance(group, DeviceMesh):
                 group = _torch.mesh_group(group, self.peers.dimensions if self.peers else ())
-            self._cached = (key, ProcessGroupCollective(group, self.peers))
+            self._cached = (weakref.ref(key), ProcessGroupCollective(group, self.peers))
         if (group := self._cached[1].group) is not None:
             try:  # get_backend() raises for a group torch no longer knows
                 dist.get_backend(group)

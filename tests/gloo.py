@@ -15,6 +15,7 @@ reporting (a signal, a crash at start-up) fails the call the same way, at once.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import multiprocessing
 import os
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -297,3 +299,27 @@ def abort_or_wait(rank: int, world_size: int) -> None:
     if rank == 1:
         os.abort()
     time.sleep(3600)
+
+
+def holds_a_process_group(*roots: object) -> bool:
+    """Whether a ``ProcessGroup`` is reachable from ``roots`` through Python references, not
+    counting what a ``DeviceMesh`` holds (the caller's own object) or module, class and
+    function globals. A group that outlives ``destroy_process_group()`` this way is freed at
+    interpreter exit, where gloo may abort the process: torch's, but lossweight must not be
+    the one that keeps it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    opaque = (DeviceMesh, torch.Tensor, type, types.ModuleType, types.FunctionType)
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, opaque):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dist.ProcessGroup):
+            return True
+        stack.extend(gc.get_referents(obj))
+    return False

@@ -49,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 import lossweight
 from lossweight.testing import count_collectives
 
+from .gloo import holds_a_process_group
 from .problem import max_relative_error
 
 VOCABULARY, WIDTH, LENGTH = 11, 6, 8
@@ -294,6 +295,8 @@ def _tensor_parallel_steps() -> dict[str, Any]:
             "losses": [first.loss.item(), second.loss.item()],
             "tokens": [first.num_tokens.item(), second.num_tokens.item()],
             "gradient": parameter.grad.item(),  # the second step's
+            # the dp x tp group lossweight made is torch's to keep, and to free
+            "holds_a_group": holds_a_process_group(acc, first, second),
         }
     return outcome
 

@@ -4,21 +4,22 @@ part, its longest class and function, and the calls one step makes between its m
 The budgets are written here as well as in the script, so that loosening the script's table
 alone does not loosen the test. The total is held where it stands (a ratchet) until it reaches
 its target of 1,300 lines, which the script reports against. It goes down with every
-simplification, and up only by the lines of a behaviour the library must add: the last rise, 120
-lines, was the check that the ranks of each tensor-parallel group give the same counts (a mesh's
-tensor-parallel dimensions joined to its reduction, a fingerprint of each rank's totals and
-microbatch counts per group, copied to the device without a host sync, only a group's first
-rank's numbers added up, ``D`` per group); the
-one before, 79 lines, ``pipeline=`` (pipeline stages sharing the step's reduction, ``D`` per
-stage, a stage before the last refused a loss, torch's shape-inference call to the loss function
-recognised or refused, clipping in ``end()`` refused, several modules as the parameters); the
-one before, 27 lines, ``group=`` a ``DeviceMesh`` (its dimensions flattened into one group when
-a step begins, a tensor- or pipeline-parallel dimension refused); the one before, 249 lines, was
-several loss terms per step (``Term``: each its own normaliser, tokens, samples, a float weight
-sum or a constant, in the one payload; their checks and errors, and the refusal of a scale-after
-step that one factor cannot make exact), 221 of them, and the check of a count handed to a
-count- first ``scale_loss()`` against ``begin()``'s, 28; the one before that, 53 lines,
-``end(max_grad_norm=...)``."""
+simplification, and up only by the lines of a behaviour the library must add: the last rise, 13
+lines, was process groups held weakly (one kept past ``destroy_process_group()`` is freed at
+interpreter exit, where gloo may abort the process); the one before, 120 lines, was the check
+that the ranks of each tensor-parallel group give the same counts (a mesh's tensor-parallel
+dimensions joined to its reduction, a fingerprint of each rank's totals and microbatch counts
+per group, copied to the device without a host sync, only a group's first rank's numbers added
+up, ``D`` per group); the one before, 79 lines, ``pipeline=`` (pipeline stages sharing the
+step's reduction, ``D`` per stage, a stage before the last refused a loss, torch's
+shape-inference call to the loss function recognised or refused, clipping in ``end()`` refused,
+several modules as the parameters); the one before, 27 lines, ``group=`` a ``DeviceMesh`` (its
+dimensions flattened into one group when a step begins, a tensor- or pipeline-parallel dimension
+refused); the one before, 249 lines, was several loss terms per step (``Term``: each its own
+normaliser, tokens, samples, a float weight sum or a constant, in the one payload; their checks
+and errors, and the refusal of a scale-after step that one factor cannot make exact), 221 of
+them, and the check of a count handed to a count-first ``scale_loss()`` against ``begin()``'s,
+28; the one before that, 53 lines, ``end(max_grad_norm=...)``."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("total lines", lambda s: s.total_lines, "<=", 2475),
+    ("total lines", lambda s: s.total_lines, "<=", 2488),
     ("torch-free lines", lambda s: s.torch_free_lines, ">=", 350),
     ("longest class", lambda s: s.longest_class.lines, "<=", 250),
     ("longest function", lambda s: s.longest_function.lines, "<=", 40),

@@ -274,10 +274,11 @@ def _pending_then_new_world(rank: int) -> dict:
     acc = Accumulator(loss_reduction="mean", loss_logging="next_step")
     waiting = count_first_step(acc, _scalar(), [1.0 + rank], [3])
     dist.destroy_process_group()
+    held = gloo.holds_a_process_group(acc, waiting)
     refused = _attempt(lambda: acc.begin(num_tokens=[1]))
     unreduced = _attempt(lambda: waiting.loss)
     after = _attempt(lambda: count_first_step(acc, _scalar(), [5.0], [2]).step)
-    return {"refused": refused, "unreduced": unreduced, "after": after}
+    return {"refused": refused, "unreduced": unreduced, "after": after, "held": held}
 
 
 def one_extra_step(rank: int, world_size: int) -> list:
@@ -792,6 +793,8 @@ def test_a_waiting_loss_is_never_reduced_in_another_world(hardening_runs: dict) 
             in (unreduced["message"])
         )
         assert seen["after"] == {"values": 2, "seconds": seen["after"]["seconds"]}, seen
+        # Neither the Accumulator nor the result keeps the destroyed default group alive.
+        assert seen["held"] is False, seen
 
 
 def test_a_rank_with_one_step_more_in_all_pairs_by_index_then_times_out() -> None:

@@ -70,6 +70,9 @@ def test_tensor_parallel_ranks_that_agree_add_one_ranks_counts_and_loss(
         # The second step: 1 token on each dp rank, DDP-style mean over 2 dp ranks undone by
         # D = 2: each rank's gradient of its own loss, 2 * 1 * D / W = 2 * 2 / 2.
         assert seen["gradient"] == 2.0
+        # The dp x tp process group made at the first begin() is held by torch alone (and
+        # freed by destroy_process_group()), not by the Accumulator or its results.
+        assert seen["holds_a_group"] is False
 
 
 @pytest.mark.parametrize("mode", mesh_worker.MODES)
