@@ -267,19 +267,23 @@ def _with_peers(
     peers = collective.peers if isinstance(collective, ProcessGroupCollective) else None
     if peers is None:
         return payload, None
-    # The numbers on the host in one copy that does not wait for the device, then the tensors:
-    # peers that give their counts alike (as each runs the same code) lay them out alike.
-    device, rows, host = payload.device, [payload[layout.counts]], array("d")
+    # The numbers on the host go in one copy that does not wait for the device, then each
+    # tensor back in its place: the same counts, as numbers or as tensors, in the same order.
+    host, tensors = array("d", [len(microbatches)]), []
     for counts in microbatches.values():
         counts = () if counts is None else counts
         host.append(len(counts))
-        tensors = [counts] if isinstance(counts, torch.Tensor) else counts
-        host.extend(c for c in tensors if not isinstance(c, torch.Tensor))  # type: ignore[misc]
-        for c in tensors:
+        for c in [counts] if isinstance(counts, torch.Tensor) else counts:
             if isinstance(c, torch.Tensor):
-                rows.append(c.to(device, torch.float64, non_blocking=True).reshape(-1))
-    if host:
-        rows.append(torch.frombuffer(host, dtype=torch.float64).to(device, non_blocking=True))
+                tensors.append((len(host), c.to(payload.device, torch.float64, non_blocking=True)))
+            else:
+                host.append(c)  # type: ignore[arg-type]
+    numbers = torch.frombuffer(host, dtype=torch.float64).to(payload.device, non_blocking=True)
+    rows, start = [payload[layout.counts]], 0
+    for end, tensor in tensors:
+        rows += [numbers[start:end], tensor.reshape(-1)]
+        start = end
+    rows.append(numbers[start:])
     fingerprint = fingerprint_of(torch.cat(rows))
     slots = payload.new_zeros(2, peers.groups)
     slots[:, peers.index] = torch.stack((fingerprint, fingerprint * fingerprint))

@@ -222,14 +222,28 @@ def run(rank: int, world_size: int) -> dict:
 # tensor-parallel group give different counts: in one group only; in both, with each tp
 # rank's sum over the dp ranks the same (8 and 8), which a check of those sums alone would
 # pass; and with the same totals in every group, in another order of microbatches, whose
-# factors would differ, given as Python numbers and as tensors (the counts one would keep on
-# the device).
+# factors would differ, given as Python numbers, as tensors (the counts one would keep on
+# the device), and mixed (a 0-dim tensor first on tp rank 0, last on tp rank 1).
 TP_COUNTS_DIFFER = {
     "one_group": {(0, 0): [3], (0, 1): [4], (1, 0): [5], (1, 1): [5]},
     "cancelling": {(0, 0): [5], (0, 1): [3], (1, 0): [3], (1, 1): [5]},
     "order": {(0, 0): [3, 5], (0, 1): [5, 3], (1, 0): [4], (1, 1): [4]},
     "order_in_tensors": {(0, 0): [3, 5], (0, 1): [5, 3], (1, 0): [4], (1, 1): [4]},
+    "order_mixed": {(0, 0): [3, 5], (0, 1): [5, 3], (1, 0): [4], (1, 1): [4]},
 }
+
+
+def _given_as(case: str, counts: list[int], tp: int) -> Any:
+    """``counts`` as the case gives them: numbers, a tensor, or one 0-dim tensor among numbers
+    (the first on tp rank 0, the last on tp rank 1)."""
+    if case.endswith("tensors"):
+        return torch.tensor(counts)
+    if case.endswith("mixed"):
+        at = 0 if tp == 0 else len(counts) - 1
+        return [torch.tensor(c) if i == at else c for i, c in enumerate(counts)]
+    return counts
+
+
 TP_AGREE = {(0, 0): [3, 5], (0, 1): [3, 5], (1, 0): [0, 4], (1, 1): [0, 4]}
 
 
@@ -255,7 +269,7 @@ def _tensor_parallel_steps() -> dict[str, Any]:
     for case, counts in TP_COUNTS_DIFFER.items():
         for mode in MODES:
             acc = lossweight.Accumulator(loss_reduction="sum", group=mesh["dp"])
-            given = torch.tensor(counts[place]) if case.endswith("tensors") else counts[place]
+            given = _given_as(case, counts[place], place[1])
             try:
                 one_step(acc, given, mode)
             except lossweight.DisagreementError as refused:
@@ -298,6 +312,14 @@ def _tensor_parallel_steps() -> dict[str, Any]:
             # the dp x tp group lossweight made is torch's to keep, and to free
             "holds_a_group": holds_a_process_group(acc, first, second),
         }
+        # The same counts as numbers on one tp rank and as a tensor on the other: they agree.
+        acc = lossweight.Accumulator(loss_reduction="sum", group=mesh["dp"])
+        given = _given_as("tensors" if place[1] else "numbers", TP_AGREE[place], place[1])
+        try:
+            outcome[f"tp_agree_as_tensor/{mode}"] = one_step(acc, given, mode).num_tokens.item()
+        except lossweight.DisagreementError as refused:
+            outcome[f"tp_agree_as_tensor/{mode}"] = str(refused)
+        acc.abandon()
     return outcome
 
 

@@ -73,6 +73,8 @@ def test_tensor_parallel_ranks_that_agree_add_one_ranks_counts_and_loss(
         # The dp x tp process group made at the first begin() is held by torch alone (and
         # freed by destroy_process_group()), not by the Accumulator or its results.
         assert seen["holds_a_group"] is False
+        # Counts given as numbers on one tp rank and as a tensor on the other agree.
+        assert rank[f"tp_agree_as_tensor/{mode}"] == 3 + 5 + 0 + 4
 
 
 @pytest.mark.parametrize("mode", mesh_worker.MODES)
