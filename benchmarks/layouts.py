@@ -72,24 +72,36 @@ def layout_collectives() -> dict[str, dict[str, dict]]:
     one figure if every rank's was the same, else per rank."""
     with tempfile.TemporaryDirectory() as scratch:
         mp.spawn(_count, args=(scratch,), nprocs=WORLD_SIZE)
-        per_rank = [
-            json.loads(Path(scratch, f"{rank}.json").read_text()) for rank in range(WORLD_SIZE)
-        ]
+        return combined(
+            [json.loads(Path(scratch, f"{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+        )
+
+
+def combined(per_rank: list[dict]) -> dict[str, dict[str, dict]]:
+    """The ranks' figures (``rank_figures``) as one table: a figure where every rank's was the
+    same, else every rank's."""
     return {
-        layout: {
-            mode: figures[0] if all(f == figures[0] for f in figures) else {"per rank": figures}
-            for mode in MODES
-            for figures in [[ranks[layout][mode] for ranks in per_rank]]
-        }
+        layout: {mode: _one_figure([ranks[layout][mode] for ranks in per_rank]) for mode in MODES}
         for layout in LAYOUTS
     }
 
 
+def _one_figure(figures: list[dict]) -> dict:
+    return figures[0] if all(f == figures[0] for f in figures) else {"per rank": figures}
+
+
 def _count(rank: int, scratch: str) -> None:
-    torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{scratch}/init", rank=rank, world_size=WORLD_SIZE
     )
+    Path(scratch, f"{rank}.json").write_text(json.dumps(rank_figures(rank, WORLD_SIZE)))
+    dist.destroy_process_group()
+
+
+def rank_figures(rank: int, world_size: int) -> dict[str, dict]:
+    """This rank's figures per layout and mode, in a default process group of 4 ranks."""
+    assert world_size == WORLD_SIZE
+    torch.set_num_threads(1)
     parameter = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
     figures: dict[str, dict] = {}
     meter = Meter()
@@ -118,8 +130,7 @@ def _count(rank: int, scratch: str) -> None:
                 "host_syncs": seen["host_reads_per_step"],
             }
             acc.abandon()
-    Path(scratch, f"{rank}.json").write_text(json.dumps(figures))
-    dist.destroy_process_group()
+    return figures
 
 
 def _step(

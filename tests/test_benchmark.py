@@ -10,12 +10,20 @@ in each parallel layout.
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from benchmarks.layouts import layout_collectives
-from benchmarks.step_cost import run_ranks
+from benchmarks import layouts as layouts_run
+from benchmarks.runner import measure
 from lossweight.terms import Layout, Term
+
+from .gloo import run_ranks, values
+
+# The benchmark's ranks run under the test harness, which kills them past this deadline.
+DEADLINE = 300
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +40,9 @@ def counts() -> dict:
         threads=2,
         seed=0,
     )
-    return run_ranks(2, settings)
+    with tempfile.TemporaryDirectory() as scratch:  # measure() makes its own process group
+        run_ranks(2, measure, scratch, settings, init_group=False, deadline=DEADLINE)
+        return json.loads(Path(scratch, "results.json").read_text())
 
 
 def test_lossweight_issues_its_collectives_and_no_host_sync_per_step(counts: dict) -> None:
@@ -77,7 +87,9 @@ def test_no_parallel_layout_adds_a_collective_or_a_host_sync() -> None:
     # parallelism's does, on every rank (a figure that differs by rank is not one dict).
     # A tensor-parallel mesh adds its agreement check to the same reduction, 16 bytes per
     # tensor-parallel group (2 groups here); a pipeline adds nothing, its stages sharing it.
-    layouts = layout_collectives()
+    layouts = layouts_run.combined(
+        values(run_ranks(4, layouts_run.rank_figures, deadline=DEADLINE))
+    )
     plain = layouts["dp 4 (a process group)"]
     assert plain["count first"] == {"calls": {"all_reduce": 1}, "bytes": 576, "host_syncs": 0}
     assert plain["count first, loss in end()"]["calls"] == {"all_reduce": 2}
