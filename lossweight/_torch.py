@@ -96,11 +96,25 @@ def gradient_groups(parameters: list[torch.Tensor]) -> Groups:
     return groups
 
 
+def nonzero_gradients(groups: Groups) -> torch.Tensor:
+    """Whether a gradient (a sparse one's values) is nonzero: a bool tensor, on an accelerator
+    that holds gradients if one does, computed without a host read (meta gradients hold no
+    values: they count as zero)."""
+    flags = [
+        torch.stack(torch._foreach_norm([g._values() if g.is_sparse else g for g in grads])) != 0
+        for (device, _), grads in groups.items()
+        if device.type != "meta"
+    ]
+    devices = [flag.device for flag in flags if flag.device.type != "cpu"]
+    device = devices[0] if devices else torch.device("cpu")
+    none = torch.zeros(0, dtype=torch.bool, device=device)
+    return torch.cat([none, *[flag.to(device, non_blocking=True) for flag in flags]]).any()
+
+
 def check_zero_gradients(parameters: list[torch.Tensor], message: str) -> None:
     """Fail with ``message``, on the device, if a gradient (a sparse one's values) is nonzero."""
-    for grads in gradient_groups(parameters).values():
-        dense = [grad._values() if grad.is_sparse else grad for grad in grads]
-        assert_true(torch.stack(torch._foreach_norm(dense)).sum() == 0, message)
+    if groups := gradient_groups(parameters):
+        assert_true(~nonzero_gradients(groups), message)
 
 
 def reaches(loss: torch.Tensor, parameters: list[torch.Tensor]) -> bool:

@@ -24,6 +24,7 @@ from .terms import ARGUMENTS, COUNTS, FIELDS, Layout, Term
 
 LIMB = 2**31
 _CODES = len(FIELDS)
+_LIMBS = 2 * _CODES + 2  # the first high limb's check: after the codes and the refusal slots
 CHECKED_ON_HOST = ("cpu",)  # device types whose checks read their verdict at once
 
 
@@ -33,7 +34,8 @@ class Reduction:
     this rank gave and lacked each count (all of them), and the terms' loss sums, this step's
     and an earlier one's (a 1-D tensor each, or None): started when made, waited on and
     checked when first used. ``traceable``: the result is always used, maybe in a graph
-    torch.compile traces."""
+    torch.compile traces. A scale-after ``end()`` adds what it refuses, on every rank: its
+    ``unscaled`` slot, and ``refusal``, this rank's own error (see :func:`_host`)."""
 
     _peers: Peers | None
     _error: Exception | None
@@ -50,19 +52,18 @@ class Reduction:
         losses: Mapping[bool, torch.Tensor | None],
         traceable: bool = False,
         microbatches: Mapping[str, Sequence[object] | torch.Tensor | None] | None = None,
+        unscaled: float | torch.Tensor = 0.0,
+        refusal: Exception | None = None,
     ) -> None:
-        limbs, agreement = [(LIMB - 1) / 2] * len(COUNTS), [*codes, *(c * c for c in codes)]
-        # The payload, then each checked slot's centre and radius (a high limb's sum: [0, LIMB)).
-        centre = [collective.world_size * code for code in agreement] + limbs
-        radius = [0.0] * len(agreement) + limbs
-        host = [*agreement, *[0.0] * (layout.length - len(agreement)), *centre, *radius]
-        for name, (gave, lacked) in flags.items():  # every count has its flags
-            host[layout.flags[name]], host[layout.flags[name] + 1] = gave, lacked
-            if (count := counts.get(name)) is not None and not isinstance(count, torch.Tensor):
-                host[layout.high[name]], host[layout.low[name]] = divmod(count, LIMB)
+        host = _host(layout, codes, collective.world_size, counts, flags)
+        host[layout.refused] = refusal is not None
+        if not isinstance(unscaled, torch.Tensor):
+            host[layout.unscaled] = unscaled
         values = torch.frombuffer(array("d", host), dtype=torch.float64)  # faster than a list
         values = values.to(device, non_blocking=True)
         payload, self._bounds = values[: layout.length], values[layout.length :].view(2, -1)
+        if isinstance(unscaled, torch.Tensor):
+            payload[layout.unscaled].copy_(unscaled)
         for name, count in counts.items():
             if isinstance(count, torch.Tensor):  # int64, or float64 for a weight sum
                 high = count.floor_divide(LIMB) if count.is_floating_point() else count >> 31
@@ -78,7 +79,7 @@ class Reduction:
         self._world_size, self._collective = collective.world_size, type(collective).__name__
         self._handle: Waitable | None = start_all_reduce(collective, payload, traceable)
         self._checked = self.settled = False  # settled: checked, its verdict known on the host
-        self._error = self._verdict = None
+        self._error, self._verdict, self._refusal = None, None, refusal
 
     @property
     def device(self) -> torch.device:
@@ -202,12 +203,40 @@ class Reduction:
         elif problems:
             text = "; ".join(problems)
             self._error = error("cannot_be_reduced", step=codes[0], ranks=ranks, problems=text)
-        elif names := [ARGUMENTS[n] for i, n in enumerate(COUNTS) if not passed[2 * _CODES + i]]:
+        elif not passed[2 * _CODES]:
+            self._error = error("unscaled_gradients")
+        elif not passed[2 * _CODES + 1]:
+            refused = round(values[self.layout.refused])
+            self._error = self._refusal or error("peer_refused", count=refused, ranks=ranks)
+        elif names := [ARGUMENTS[n] for i, n in enumerate(COUNTS) if not passed[_LIMBS + i]]:
             self._error = error("total_too_large", name=" and ".join(names))
         else:  # only the last check failed: the peers'
             assert self._peers is not None
             self._error = error("peers_differ", dimensions=self._peers.dimensions)
         raise self._error from None
+
+
+def _host(
+    layout: Layout,
+    codes: tuple[int, ...],
+    ranks: int,
+    counts: Mapping[str, int | float | torch.Tensor | None],
+    flags: Mapping[str, tuple[bool, bool]],
+) -> list[float]:
+    """The payload's numbers known on the host, then each checked slot's centre and radius.
+    The sums of the codes must be ``R * c`` and ``R * c**2``; of the refusal slots, ``unscaled``
+    at most 0 (a rank whose gradients are nonzero though it scaled no loss adds 1, one that
+    scaled a loss adds ``-R``: the sum is positive only where no rank scaled one) and
+    ``refused`` 0; each high limb's in ``[0, LIMB)``."""
+    limbs, agreement = [(LIMB - 1) / 2] * len(COUNTS), [*codes, *(c * c for c in codes)]
+    centre = [ranks * code for code in agreement] + [-(ranks**2) / 2, 0.0] + limbs
+    radius = [0.0] * len(agreement) + [ranks**2 / 2, 0.0] + limbs
+    host = [*agreement, *[0.0] * (layout.length - len(agreement)), *centre, *radius]
+    for name, (gave, lacked) in flags.items():  # every count has its flags
+        host[layout.flags[name]], host[layout.flags[name] + 1] = gave, lacked
+        if (count := counts.get(name)) is not None and not isinstance(count, torch.Tensor):
+            host[layout.high[name]], host[layout.low[name]] = divmod(count, LIMB)
+    return host
 
 
 def _problem(field: str, mean: float, square: float, own: tuple[int, ...], described: str) -> str:
@@ -296,5 +325,7 @@ def _with_peers(
 # a number that torch.compile may have made symbolic.
 _ASSERT_MESSAGES = (
     *[device_message("disagree", field=field) for field in FIELDS * 2],  # codes, their squares
+    device_message("unscaled_gradients"),
+    device_message("peer_refused", count="some", ranks="all"),
     *[device_message("total_too_large", name=ARGUMENTS[count]) for count in COUNTS],
 )

@@ -24,7 +24,7 @@ from .terms import ARGUMENTS, COUNTS, INTEGER, Layout, Term
 Count = int | float | torch.Tensor
 Counted = Mapping[str, Count | None]
 Counts = Mapping[str, list[int] | list[float] | torch.Tensor | None]
-_STALE, _UNSCALED = device_message("stale_gradients"), device_message("unscaled_gradients")
+_STALE = device_message("stale_gradients")
 
 
 class CountFirst:
@@ -267,15 +267,17 @@ class ScaleAfter:
     ) -> Reduction:
         """Reduce the step, then rescale its gradients: each once, even after a failure."""
         if self.reduction is None:
-            self._groups = self._gradients(codes[0])
+            self._groups = _torch.gradient_groups(self.parameters)
             totals = {name: self._sum(name) for name in COUNTS}
             device = reduction_device(collective, totals)
             gave = dict(zip(COUNTS, given or (False,) * len(COUNTS), strict=True))
             flags = {n: (gave[n], not gave[n] and bool(self._losses)) for n in COUNTS}
             losses = {False: self._loss_sum(device), True: carried}
+            unscaled, refusal = self._refusals(collective.world_size, codes[0])
             self.reduction = Reduction(
-                collective, self._layout, codes, device, totals, flags, losses, False, self._counts
-            )
+                collective, self._layout, codes, device, totals, flags, losses, False,
+                self._counts, unscaled, refusal,
+            )  # fmt: skip
         if self.total is None:
             total = self.reduction.total(self._count)
             # Applied at the gradients' precision or better, never rounded to bf16 first.
@@ -283,15 +285,21 @@ class ScaleAfter:
             self.total = total
         return self.reduction
 
-    def _gradients(self, step: int) -> _torch.Groups:
-        """The step's gradients: some where a loss went through scale_loss(), else none that
-        is nonzero (a backward that scale_loss() did not scale)."""
-        groups, scaled = _torch.gradient_groups(self.parameters), len(self._losses)
-        if not scaled and groups and self._loss:
-            _torch.check_zero_gradients(self.parameters, _UNSCALED)
-        if scaled and not groups:
-            raise error("no_gradients", parameters=len(self.parameters), scaled=scaled, step=step)
-        return groups
+    def _refusals(self, ranks: int, step: int) -> tuple[float | torch.Tensor, Exception | None]:
+        """What this rank adds to the reduction's refusal slots, so that every rank refuses
+        together: ``-R`` where a loss went through scale_loss(), else whether its gradients
+        are nonzero (they may come from its peers' scaled losses, summed before end(); from
+        no scaled loss anywhere, they are a backward that scale_loss() did not scale); and
+        its own error where its scaled losses reached none of the parameters."""
+        if self._losses:
+            refusal = None
+            if not self._groups:
+                scaled, parameters = len(self._losses), len(self.parameters)
+                refusal = error("no_gradients", parameters=parameters, scaled=scaled, step=step)
+            return -float(ranks), refusal
+        if not self._groups or not self._loss:  # a stage before the last scales nothing
+            return 0.0, None
+        return _torch.nonzero_gradients(self._groups).to(torch.float64), None
 
     def _sum(self, name: str) -> int | float | torch.Tensor:
         """A count's total, or where a microbatch gave a tensor, the counts to sum."""

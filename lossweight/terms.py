@@ -172,7 +172,9 @@ REDUCED = number_codes(math.nan)
 @dataclass(frozen=True, eq=False)
 class Layout:
     """Where each number sits in the payload of a step with ``terms``, in order: an agreement
-    code per field, then their squares; the high 31-bit limb of each count total (0 for the
+    code per field, then their squares; the two refusal slots (``unscaled``: gradients that no
+    rank's scale_loss() produced; ``refused``: ranks that refuse the step, each with an error
+    of its own); the high 31-bit limb of each count total (0 for the
     float ``weight_sum``), then the low limbs (the float total itself); for each count, whether
     this rank gave it and whether it had a microbatch that lacked it; then each term's loss sum
     of this step and whether each was non-finite (the slices ``losses[False]``, in blocks of
@@ -181,6 +183,8 @@ class Layout:
 
     terms: tuple[Term, ...]
     reported: tuple[str, ...] = field(init=False)
+    unscaled: int = field(init=False)
+    refused: int = field(init=False)
     counts: slice = field(init=False)
     high: dict[str, int] = field(init=False)
     low: dict[str, int] = field(init=False)
@@ -190,10 +194,12 @@ class Layout:
     length: int = field(init=False)
 
     def __post_init__(self) -> None:
-        start, size, terms, used = 2 * len(FIELDS), len(COUNTS), MOST_TERMS, len(self.terms)
+        start, size, terms, used = 2 * len(FIELDS) + 2, len(COUNTS), MOST_TERMS, len(self.terms)
         sums = (start + 4 * size, start + 4 * size + 2 * terms)  # this step's, an earlier one's
         values = {
             "reported": tuple(c for c in COUNTS if all(t.count != c for t in self.terms)),
+            "unscaled": start - 2,
+            "refused": start - 1,
             "high": {count: start + i for i, count in enumerate(COUNTS)},
             "low": {count: start + size + i for i, count in enumerate(COUNTS)},
             "flags": {count: start + 2 * size + 2 * i for i, count in enumerate(COUNTS)},

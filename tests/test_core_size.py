@@ -4,9 +4,13 @@ part, its longest class and function, and the calls one step makes between its m
 The budgets are written here as well as in the script, so that loosening the script's table
 alone does not loosen the test. The total is held where it stands (a ratchet) until it reaches
 its target of 1,300 lines, which the script reports against. It goes down with every
-simplification, and up only by the lines of a behaviour the library must add: the last rise, 13
-lines, was process groups held weakly (one kept past ``destroy_process_group()`` is freed at
-interpreter exit, where gloo may abort the process); the one before, 124 lines, was the check
+simplification, and up only by the lines of a behaviour the library must add: the last rise, 60
+lines, was a scale-after ``end()``'s refusals carried by the step's reduction (two slots of the
+payload, their checks and errors: a rank's gradients that no rank's ``scale_loss()`` produced,
+and a rank that refuses on its own, so that every rank raises together and none is left
+waiting in the all-reduce); the one before, 13 lines, process groups held weakly (one kept
+past ``destroy_process_group()`` is freed at interpreter exit, where gloo may abort the
+process); the one before, 124 lines, was the check
 that the ranks of each tensor-parallel group give the same counts (a mesh's tensor-parallel
 dimensions joined to its reduction, a fingerprint of each rank's totals and microbatch counts
 per group, copied to the device without a host sync, only a group's first rank's numbers added
@@ -54,7 +58,7 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("total lines", lambda s: s.total_lines, "<=", 2492),
+    ("total lines", lambda s: s.total_lines, "<=", 2552),
     ("torch-free lines", lambda s: s.torch_free_lines, ">=", 350),
     ("longest class", lambda s: s.longest_class.lines, "<=", 250),
     ("longest function", lambda s: s.longest_function.lines, "<=", 40),

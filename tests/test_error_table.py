@@ -66,6 +66,7 @@ ELSEWHERE = {
     "clip_pipeline",
     "pipeline_unset",
     "peers_differ",  # tensor-parallel ranks need a mesh of processes: tests/test_mesh.py
+    "peer_refused",  # a peer's refusal needs a second process: tests/test_faults.py
 }
 
 

@@ -677,9 +677,9 @@ class AccumulatorMachine(RuleBasedStateMachine):
         else:
             # A gradient of 1 on a parameter that no microbatch used shows the correction
             # E / W itself: end() multiplies every gradient of the parameters by it.
-            # A rank with no microbatch and a nonzero gradient is refused (no loss of its step
-            # went through scale_loss()): tests/test_state_machine_scale_after.py drives that
-            # rule, with the others of what end() rescales.
+            # A step where no rank scaled a loss and a gradient is nonzero is refused on every
+            # rank: tests/test_state_machine_scale_after.py drives that rule, with the others
+            # of what end() rescales.
             probes = [
                 0 < len(part.weights) < MICROBATCHES and data.draw(st.booleans(), label="probe")
                 for part in step.ranks

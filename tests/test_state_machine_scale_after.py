@@ -16,8 +16,9 @@ the rules of ``begin(parameters=...)``:
   gradient is the same memory) is refused with the documented error and changes nothing, and the
   step goes on exactly; a loss over other parameters is accepted and exact, in either mode (two
   count-first Accumulators share parameters freely);
-- a step whose rank back-propagated a loss without ``scale_loss()``: ``end()`` refuses it while the
-  listed parameters hold a nonzero gradient, on every rank, and changes nothing; after
+- a step whose ranks back-propagated a loss without ``scale_loss()``: ``end()`` refuses it while
+  no rank scaled a loss and some rank's listed parameters hold a nonzero gradient, on every
+  rank together (through the step's reduction), and changes nothing; after
   ``abandon()`` the next ``begin()`` refuses the gradients left over until they are zeroed, and the
   next step is exact.
 
@@ -528,17 +529,22 @@ class ScaleAfterMachine(RuleBasedStateMachine):
             results = [acc.end() for acc in self.accs]
             self._unchanged(before)  # count first rescales nothing
         else:
-            refused = [
-                not step.scaled[rank] and any(self.cells[k].exact() != 0 for k in step.listed[rank])
+            # Refused, on every rank together, where no rank scaled a loss and some rank's
+            # listed gradients are nonzero (a rank may hold its peers' scaled gradients).
+            nonzero = [
+                any(self.cells[k].exact() != 0 for k in step.listed[rank])
                 for rank in range(self.world_size)
             ]
-            if any(refused):
-                assert all(refused), f"some ranks but not all would refuse end(): {refused}"
-                before = self._snapshot()
-                for acc in self.accs:
-                    state = acc.state
-                    for _ in range(data.draw(st.integers(1, 2), label="tries")):
-                        expect_error(acc.end, RuntimeError, UNSCALED)
+            if not any(step.scaled.values()) and any(nonzero):
+                before, states = self._snapshot(), [acc.state for acc in self.accs]
+                tries = data.draw(st.integers(1, 2), label="tries")
+
+                def refuse(rank: int, _: object) -> None:
+                    for _ in range(tries):  # a second end() reduces no more: the same error
+                        expect_error(self.accs[rank].end, RuntimeError, UNSCALED)
+
+                self.group.run(refuse)
+                for acc, state in zip(self.accs, states, strict=True):
                     assert acc.state == state and acc.step_open
                 self._unchanged(before)
                 self._abandon(data)  # the gradients stay: zero_grad before the next begin()
