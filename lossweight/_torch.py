@@ -3,14 +3,11 @@ when torch changes one of these, this is the file to change."""
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.torch_version import TorchVersion
 
 T = TypeVar("T")
@@ -18,37 +15,6 @@ Groups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
 # Before torch 2.9, inductor removed _assert_async from compiled graphs, and on ROCm its
 # device asserts are compiled out: a compiled check there would pass whatever the ranks sent.
 GRAPH_ASSERTS = torch.version.hip is None and TorchVersion(torch.__version__) >= "2.9"
-
-
-def root_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
-    """The mesh ``mesh`` was sliced from (itself if it was not); None where torch has no
-    ``DeviceMesh._concatenate`` to join another of its dimensions to ``mesh``'s."""
-    if not hasattr(DeviceMesh, "_concatenate"):
-        return None
-    return mesh._get_root_mesh()
-
-
-def mesh_group(mesh: DeviceMesh, also: tuple[str, ...] = ()) -> dist.ProcessGroup:
-    """The process group over every rank of ``mesh`` and of its root's dimensions ``also``:
-    its own for one dimension, else the group of its dimensions flattened into one
-    (``DeviceMesh._flatten``, cached by torch; made on every rank of the mesh's root at once,
-    as the first ``begin()`` is)."""
-    if also:
-        mesh = DeviceMesh._concatenate([mesh, mesh._get_root_mesh()[also]])
-    return mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
-
-
-def inferring_pipeline_shapes() -> bool:
-    """Whether torch.distributed.pipelining runs the loss function to infer a stage's shapes
-    (torch 2.13 does, at the first step of a stage built without ``output_args``): a loss it
-    takes only the inputs' gradient shapes of, which is no microbatch of the step."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        code, module = frame.f_code.co_name, str(frame.f_globals.get("__name__"))
-        if code == "_backward_metadata_inference" and module.startswith("torch.distributed"):
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
 
 
 def assert_true(flag: torch.Tensor, message: str) -> None:

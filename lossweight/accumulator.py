@@ -151,9 +151,9 @@ class Accumulator:
         given = {"samples": num_samples, "tokens": num_tokens, "weight_sum": weight_sum}
         counts, params = _opening(given, parameters, self.options, self._resolver.stages[1])
         declared = next((len(c) for c in counts.values() if c is not None), 0) if counts else 0
-        collective, (stages, loss) = self._resolver.resolve(), self._resolver.stages
+        collective, loss = self._resolver.resolve(), self._resolver.stages[1]
         state = machine.begin(self.state, counts is not None, declared, step, loss)
-        divisor = self._flight.adopt(collective, stages)
+        divisor = self._flight.adopt(collective)
         self._flight.settle()
         tensors: CountFirst | ScaleAfter
         if counts is not None:
@@ -269,7 +269,7 @@ class Accumulator:
         self._flight.settle(verdicts=True)  # the run may end here: wait for an accelerator's
         if waits and self._flight.pending is not None:
             collective = self._resolver.resolve()
-            self._flight.adopt(collective, self._resolver.stages[0])
+            self._flight.adopt(collective)
             self._flight.settle()
             codes = self._flight.codes(state.steps, terms.FLUSH)
             reduction = self._flight.reduce_loss(collective, codes, collective.device)
@@ -334,15 +334,16 @@ class _InFlight:
             self.estimate = estimate.total(self.options.weight_by)
         return self.estimate  # type: ignore[return-value]
 
-    def adopt(self, collective: Collective, stages: int) -> float:
-        """``D`` for this world of ``stages`` pipeline stages (and tensor-parallel peers), and
-        its codes (made when the number of data-parallel ranks changes). A loss that waits is
-        reduced over the collective it was computed in, or never."""
+    def adopt(self, collective: Collective) -> float:
+        """``D`` for this world (its data-parallel ranks: a mesh's pipeline stages and
+        tensor-parallel peers are not), and its codes (made when the number of data-parallel
+        ranks changes). A loss that waits is reduced over the collective it was computed in,
+        or never."""
         if self.pending is not None and self.pending.collective is not collective:
             step = self.drop("the process group changed before the loss was reduced")
             raise error("pending_elsewhere", step=step, ranks=collective.world_size)
-        peers = collective.peers if isinstance(collective, ProcessGroupCollective) else None
-        replicas = collective.world_size // stages // (peers.size if peers else 1)
+        mesh = collective.mesh if isinstance(collective, ProcessGroupCollective) else None
+        replicas = collective.world_size if mesh is None else mesh.replicas(collective.world_size)
         if replicas != self.world[0]:
             divisor = self.options.divisor(replicas)
             self.world = (replicas, divisor, self.options.codes(divisor))
@@ -579,17 +580,13 @@ def _not_into_another_step(losses: tuple[torch.Tensor, ...], own: object) -> Non
 
 
 def _shape_inference(losses: tuple[torch.Tensor, ...], pipelined: bool) -> torch.Tensor | None:
-    """Where torch.distributed.pipelining calls the loss function to infer a stage's shapes
-    (never inside a compiled graph, which cannot walk the stack): the losses, unscaled, since
-    no microbatch of the step is taken; an error if the Accumulator was not told of the
-    pipeline, whose step would otherwise count a microbatch twice."""
+    """The losses, unscaled, where this is torch.distributed.pipelining's call of the loss
+    function to infer a stage's shapes (see :func:`lossweight.parallel.shape_inference`)."""
     if "torch.distributed.pipelining" not in sys.modules or torch.compiler.is_compiling():
         return None
-    if not _torch.inferring_pipeline_shapes():
-        return None
-    if not pipelined:
-        raise error("pipeline_unset")
-    return sum(losses[1:], losses[0])
+    from .parallel import shape_inference  # optional: only where pipelining runs
+
+    return shape_inference(losses, pipelined)
 
 
 def _check_max_grad_norm(

@@ -6,8 +6,7 @@ else: another framework's communicator, or ranks simulated in one process (as
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -15,6 +14,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import _torch
 from .errors import error
+
+if TYPE_CHECKING:
+    from .parallel import MeshGroup
 
 
 @runtime_checkable
@@ -65,23 +67,6 @@ class SingleProcess:
 
 
 _SINGLE_PROCESS = SingleProcess()
-# Mesh dimensions whose ranks hold the same data: tensor, expert-tensor and pipeline parallel.
-_TENSOR_PARALLEL = {"tp", "etp"}
-_MODEL_PARALLEL = {*_TENSOR_PARALLEL, "pp"}
-
-
-@dataclass(frozen=True)
-class Peers:
-    """Ranks of a reduction that hold the same data: the ranks of each tensor-parallel group
-    (along ``dimensions``) of a mesh's data-parallel ranks. ``size`` ranks in each of ``groups``
-    groups; this rank is in group ``index``, and ``first`` if its counts and losses are the ones
-    added up (every rank's are checked against those of its group)."""
-
-    dimensions: tuple[str, ...]
-    size: int
-    groups: int
-    index: int
-    first: bool
 
 
 # Device types each torch.distributed backend reduces on.
@@ -92,13 +77,16 @@ class ProcessGroupCollective:
     """Reduces over a ``torch.distributed`` process group (None: the default group), with
     ``all_reduce(async_op=True)``, or, for a reduction that is always waited on (a count-first
     ``begin()``'s), with the functional all-reduce that torch.compile traces. A group of several
-    backends (``"cpu:gloo,cuda:nccl"``) reduces on each of their devices."""
+    backends (``"cpu:gloo,cuda:nccl"``) reduces on each of their devices. ``mesh``: the
+    :class:`lossweight.parallel.MeshGroup` the group spans, if any."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, peers: Peers | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, mesh: MeshGroup | None = None
+    ) -> None:
         # Held weakly: a process group that outlives destroy_process_group() is torn down at
         # interpreter exit, where gloo may abort the process.
         self._group = None if group is None else weakref.ref(group)
-        self.world_size, self.peers = dist.get_world_size(group), peers
+        self.world_size, self.mesh = dist.get_world_size(group), mesh
         named = group if group is not None else dist.group.WORLD
         assert named is not None  # get_world_size() found the default group
         self._group_name, backend = named.group_name, str(dist.get_backend(group))
@@ -135,12 +123,12 @@ class ProcessGroupCollective:
 
 class CollectiveResolver:
     """Finds the collective of a step when the step begins, not when the Accumulator is made:
-    one given explicitly (or its group, or the group over a ``DeviceMesh``'s ranks), else the
-    default group if torch.distributed is initialized (cached until it changes), else a single
-    process. So an Accumulator made before ``init_process_group()``, or restored into a job of
-    another size, reduces over the world that exists when its step begins. A mesh whose root
-    has tensor-parallel dimensions reduces over them too, so that the counts of each
-    tensor-parallel group's ranks are checked to agree: see :class:`Peers`."""
+    one given explicitly (or its group, or the group over a ``DeviceMesh``'s ranks, see
+    :mod:`lossweight.parallel`), else the default group if torch.distributed is initialized
+    (cached until it changes), else a single process. So an Accumulator made before
+    ``init_process_group()``, or restored into a job of another size, reduces over the world
+    that exists when its step begins. ``stages``: how many pipeline stages the group's ranks
+    are split into, and whether this rank holds the last, which computes the loss."""
 
     def __init__(
         self,
@@ -150,23 +138,16 @@ class CollectiveResolver:
     ) -> None:
         if collective is not None and group is not None:
             raise error("group_and_collective", group=group, collective=collective)
-        names = (group.mesh_dim_names or ()) if isinstance(group, DeviceMesh) else ()
-        if pipeline is not None and (not isinstance(pipeline, str) or pipeline not in names):
-            raise error("pipeline_dimension", value=pipeline, group=group, names=names)
+        self.mesh: MeshGroup | None = None
         if isinstance(group, DeviceMesh):
-            if group.ndim > 1 and len(names) < group.ndim:
-                raise error("mesh_unnamed", mesh=group)
-            for name in names:
-                if name != pipeline and set(name.split("_")) & _MODEL_PARALLEL:
-                    raise error("mesh_model_parallel", mesh=group, name=name)
-        self.peers = _peers(group, names) if isinstance(group, DeviceMesh) else None
-        # How many pipeline stages the group's ranks are split into, and whether this rank
-        # holds the last, which computes the loss: a mesh knows its own ranks' places.
-        self.stages: tuple[int, bool] = (1, True)
-        self.pipelined = pipeline is not None
-        if pipeline is not None and isinstance(group, DeviceMesh):
-            size = group.size(dim := names.index(pipeline))
-            self.stages = (size, group.get_local_rank(dim) == size - 1)
+            from .parallel import MeshGroup  # optional: only for a mesh
+
+            self.mesh = MeshGroup(group, pipeline)
+        elif pipeline is not None:
+            raise error("pipeline_dimension", value=pipeline, group=group, names=())
+        self.stages, self.pipelined = (1, True), pipeline is not None
+        if self.mesh is not None:
+            self.stages = self.mesh.stages
         if isinstance(collective, type):
             raise error("collective_class", value=collective, name=collective.__name__)
         if collective is not None and not isinstance(collective, Collective):
@@ -190,35 +171,15 @@ class CollectiveResolver:
             return _SINGLE_PROCESS
         key = self._group if self._group is not None else dist.group.WORLD
         if self._cached is None or self._cached[0]() is not key:
-            group = self._group
-            if isinstance(group, DeviceMesh):
-                group = _torch.mesh_group(group, self.peers.dimensions if self.peers else ())
-            self._cached = (weakref.ref(key), ProcessGroupCollective(group, self.peers))
+            group = self.mesh.group() if self.mesh is not None else self._group
+            assert not isinstance(group, DeviceMesh)  # a mesh's group is made above
+            self._cached = (weakref.ref(key), ProcessGroupCollective(group, self.mesh))
         if (group := self._cached[1].group) is not None:
             try:  # get_backend() raises for a group torch no longer knows
                 dist.get_backend(group)
             except ValueError:
                 raise error("group_destroyed", group=self._group) from None
         return self._cached[1]
-
-
-def _peers(mesh: DeviceMesh, names: tuple[str, ...]) -> Peers | None:
-    """The tensor-parallel groups of ``mesh``'s ranks: along its root's tensor-parallel
-    dimensions, which the ranks of ``mesh`` are not spread over."""
-    if (root := _torch.root_mesh(mesh)) is None:
-        return None
-    dimensions = tuple(
-        name
-        for index, name in enumerate(root.mesh_dim_names or ())
-        if name not in names and set(name.split("_")) & _TENSOR_PARALLEL and root.size(index) > 1
-    )
-    if not dimensions:
-        return None
-    index = 0  # this rank's group: its place in mesh, the same for every rank of the group
-    for size, place in zip(mesh.shape, mesh.get_coordinate() or (), strict=True):
-        index = index * size + place
-    first = all(root.get_local_rank(name) == 0 for name in dimensions)
-    return Peers(dimensions, root[dimensions].size(), mesh.size(), index, first)
 
 
 def start_all_reduce(

@@ -14,13 +14,17 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import _torch, terms
-from .collectives import Collective, Peers, ProcessGroupCollective, Waitable, start_all_reduce
+from .collectives import Collective, ProcessGroupCollective, Waitable, start_all_reduce
 from .errors import device_message, error
 from .terms import ARGUMENTS, COUNTS, FIELDS, Layout, Term
+
+if TYPE_CHECKING:
+    from .parallel import MeshGroup
 
 LIMB = 2**31
 _CODES = len(FIELDS)
@@ -37,7 +41,7 @@ class Reduction:
     torch.compile traces. A scale-after ``end()`` adds what it refuses, on every rank: its
     ``unscaled`` slot, and ``refusal``, this rank's own error (see :func:`_host`)."""
 
-    _peers: Peers | None
+    _mesh: MeshGroup | None
     _error: Exception | None
     _verdict: _torch.Verdict | None
 
@@ -74,7 +78,7 @@ class Reduction:
                 sums, nonfinite = layout.losses[previous]
                 payload[sums].copy_(loss)  # copy_ moves a loss's device too
                 payload[nonfinite].copy_(loss - loss != 0)
-        payload, self._peers = _with_peers(payload, layout, collective, microbatches or {})
+        payload, self._mesh = _with_peers(payload, layout, collective, microbatches or {})
         self.layout, self._payload, self._codes = layout, payload, codes
         self._world_size, self._collective = collective.world_size, type(collective).__name__
         self._handle: Waitable | None = start_all_reduce(collective, payload, traceable)
@@ -161,15 +165,13 @@ class Reduction:
         self._checked = True
         centre, radius = self._bounds
         checked = (self._payload[: self.layout.checked] - centre).abs() <= radius
-        if (peers := self._peers) is not None:  # each group's fingerprints all the same
-            sums, squares = self._payload[self.layout.length :].view(2, -1).to(torch.int64)
-            checked = torch.cat((checked, (peers.size * squares == sums * sums).all()[None]))
+        if (mesh := self._mesh) is not None:
+            checked = torch.cat((checked, mesh.verdict(self._payload[self.layout.length :])[None]))
         if torch.compiler.is_compiling() and not _torch.GRAPH_ASSERTS:
             message = device_message("graph_asserts", version=torch.__version__)
             _torch.untraced(message, lambda: self._check_on_host(checked))
         elif torch.compiler.is_compiling():
-            dimensions = () if peers is None else peers.dimensions
-            messages = (*_ASSERT_MESSAGES, device_message("peers_differ", dimensions=dimensions))
+            messages = (*_ASSERT_MESSAGES, *([] if mesh is None else [mesh.message()]))
             for index, passed in enumerate(checked):
                 _torch.assert_true(passed, messages[index])
         elif self.device.type in CHECKED_ON_HOST:
@@ -210,9 +212,9 @@ class Reduction:
             self._error = self._refusal or error("peer_refused", count=refused, ranks=ranks)
         elif names := [ARGUMENTS[n] for i, n in enumerate(COUNTS) if not passed[_LIMBS + i]]:
             self._error = error("total_too_large", name=" and ".join(names))
-        else:  # only the last check failed: the peers'
-            assert self._peers is not None
-            self._error = error("peers_differ", dimensions=self._peers.dimensions)
+        else:  # only the last check failed: the mesh's peers'
+            assert self._mesh is not None
+            self._error = error("peers_differ", dimensions=self._mesh.peers)
         raise self._error from None
 
 
@@ -266,59 +268,18 @@ def _problem(field: str, mean: float, square: float, own: tuple[int, ...], descr
     return device_message("differ_divisor", divisor=number)
 
 
-# A fingerprint of a rank's counts (their float64 bits, in 16-bit pieces, each times a weight
-# of its place), modulo a prime above 2**16: counts that differ in one piece always differ in
-# it; others only where the weighted sum of their pieces' differences is a multiple of the
-# prime. Exact: a fingerprint's square is below 2**40, the sums of 2**13 of them below 2**53,
-# and the check compares T * sum(f**2) with sum(f)**2 in int64.
-_PRIME = 2**20 - 3
-
-
-def fingerprint_of(values: torch.Tensor) -> torch.Tensor:
-    """A 0-dim int64 in [0, 2**20) of a 1-D float64 tensor's bits (see above)."""
-    pieces = values.view(torch.int64)[:, None] >> torch.arange(0, 64, 16, device=values.device)
-    weights = torch.arange(1, pieces.numel() + 1, device=values.device).view_as(pieces)
-    return (pieces.bitwise_and(0xFFFF) * (weights * 40503 % _PRIME)).sum() % _PRIME
-
-
 def _with_peers(
     payload: torch.Tensor,
     layout: Layout,
     collective: Collective,
     microbatches: Mapping[str, Sequence[object] | torch.Tensor | None],
-) -> tuple[torch.Tensor, Peers | None]:
-    """``payload`` and, for each group of the collective's peers (if it has any), the sum of
-    its ranks' fingerprints, then the sum of their squares: over ``T`` peers ``T * f`` and
-    ``T * f**2`` if and only if every one sent the same ``f``. The fingerprint is of the
-    rank's totals and each microbatch's counts, in order (``microbatches``), since each
-    microbatch's factor comes from its own counts. Only the first peer's counts and losses are
-    added up. Then the peers."""
-    peers = collective.peers if isinstance(collective, ProcessGroupCollective) else None
-    if peers is None:
+) -> tuple[torch.Tensor, MeshGroup | None]:
+    """``payload``, extended where the collective spans a mesh's tensor-parallel peers, whose
+    counts are checked to agree (:meth:`lossweight.parallel.MeshGroup.extend`)."""
+    mesh = collective.mesh if isinstance(collective, ProcessGroupCollective) else None
+    if mesh is None or not mesh.peers:
         return payload, None
-    # The numbers on the host go in one copy that does not wait for the device, then each
-    # tensor back in its place: the same counts, as numbers or as tensors, in the same order.
-    host, tensors = array("d", [len(microbatches)]), []
-    for counts in microbatches.values():
-        counts = () if counts is None else counts
-        host.append(len(counts))
-        for c in [counts] if isinstance(counts, torch.Tensor) else counts:
-            if isinstance(c, torch.Tensor):
-                tensors.append((len(host), c.to(payload.device, torch.float64, non_blocking=True)))
-            else:
-                host.append(c)  # type: ignore[arg-type]
-    numbers = torch.frombuffer(host, dtype=torch.float64).to(payload.device, non_blocking=True)
-    rows, start = [payload[layout.counts]], 0
-    for end, tensor in tensors:
-        rows += [numbers[start:end], tensor.reshape(-1)]
-        start = end
-    rows.append(numbers[start:])
-    fingerprint = fingerprint_of(torch.cat(rows))
-    slots = payload.new_zeros(2, peers.groups)
-    slots[:, peers.index] = torch.stack((fingerprint, fingerprint * fingerprint))
-    if not peers.first:
-        payload[layout.counts.start :] = 0
-    return torch.cat((payload, slots.view(-1))), peers
+    return mesh.extend(payload, layout, microbatches), mesh
 
 
 # Fixed, so that an assert in a compiled graph neither formats a string per reduction nor reads

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lossweight.payload import fingerprint_of
+from lossweight.parallel import fingerprint_of
 
 from . import mesh_worker
 from .gloo import run_ranks, values

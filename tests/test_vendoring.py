@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import lossweight
-from benchmarks.core_size import ACCUMULATOR_FILES
+from benchmarks.core_size import ACCUMULATOR_FILES, PARALLEL_FILES
 
 PACKAGE = Path(lossweight.__file__).parent
 
@@ -53,6 +53,43 @@ def test_the_accumulator_files_run_a_step_under_another_name(tmp_path: Path) -> 
     )
 
 
+def test_the_parallel_file_added_runs_a_mesh_step_under_another_name(tmp_path: Path) -> None:
+    # A one-rank gloo world and a mesh of it: the vendored parallel.py makes the mesh's group.
+    vendor(tmp_path, [*ACCUMULATOR_FILES, *PARALLEL_FILES])
+    run_isolated(
+        tmp_path,
+        "import torch, torch.distributed as dist\n"
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from mytrainer._vendor.lw.accumulator import Accumulator\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/init', rank=0,\n"
+        "                        world_size=1)\n"
+        "mesh = init_device_mesh('cpu', (1,), mesh_dim_names=('dp',))\n"
+        "x = torch.ones((), dtype=torch.float64, requires_grad=True)\n"
+        "acc = Accumulator(loss_reduction='sum', group=mesh['dp'])\n"
+        "acc.begin(num_tokens=[2, 1])\n"
+        "for count in (2, 1):\n"
+        "    acc.scale_loss(x * count).backward()\n"
+        "result = acc.end()\n"
+        "assert x.grad.item() == 1.0 and result.num_tokens.item() == 3\n"
+        "assert 'mytrainer._vendor.lw.parallel' in sys.modules\n"
+        "loaded = [name for name, module in sys.modules.items() if module is not None]\n"
+        "assert not any(name.startswith('lossweight') for name in loaded)\n"
+        "dist.destroy_process_group()\n",
+    )
+
+
+def test_a_plain_step_imports_no_parallel_layout() -> None:
+    code = (
+        "import sys, torch, lossweight\n"
+        "acc = lossweight.Accumulator(loss_reduction='sum')\n"
+        "acc.begin(num_tokens=[1])\n"
+        "acc.scale_loss(torch.ones((), requires_grad=True)).backward()\n"
+        "acc.end()\n"
+        "assert 'lossweight.parallel' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_the_math_file_alone_runs_without_torch(tmp_path: Path) -> None:
     shutil.copy(PACKAGE / "weighting.py", tmp_path / "lw_weighting.py")
     run_isolated(
@@ -75,6 +112,10 @@ def test_the_listed_files_are_all_the_accumulator_imports() -> None:
                 else:  # "from . import weighting"
                     imported.update(f"{m.strip()}.py" for m in line.split("import")[1].split(","))
     assert imported <= set(ACCUMULATOR_FILES), imported - set(ACCUMULATOR_FILES)
+    # The parallel layouts are imported where they are used, never at the top of a core file.
+    for name in ACCUMULATOR_FILES:
+        text = (PACKAGE / name).read_text()
+        assert "\nfrom .parallel import" not in text, name
     # And the page lists exactly these files for the Accumulator.
     page = (PACKAGE.parent / "docs" / "vendoring.md").read_text()
     row = next(line for line in page.splitlines() if line.startswith("| the `Accumulator`"))
