@@ -430,7 +430,7 @@ def details(size: CoreSize) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--verbose", action="store_true", help="also each file and crossing")
+    parser.add_argument("--verbose", action="store_true", help="also each file and mode")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
 

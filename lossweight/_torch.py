@@ -1,10 +1,14 @@
-"""Every private or version-dependent torch call lossweight makes, behind one small interface:
-when torch changes one of these, this is the file to change."""
+"""Every private or version-dependent torch call of the core, behind one small interface: when
+torch changes one of these, this is the file to change (the parallel layouts' own are in
+:mod:`lossweight.parallel`)."""
 
 from __future__ import annotations
 
+import sys
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
+from math import inf
 from typing import TypeVar
 
 import torch
@@ -15,6 +19,19 @@ Groups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
 # Before torch 2.9, inductor removed _assert_async from compiled graphs, and on ROCm its
 # device asserts are compiled out: a compiled check there would pass whatever the ranks sent.
 GRAPH_ASSERTS = torch.version.hip is None and TorchVersion(torch.__version__) >= "2.9"
+
+
+def inferring_pipeline_shapes() -> bool:
+    """Whether torch.distributed.pipelining runs the loss function to infer a stage's shapes
+    (torch 2.13 does, at the first step of a stage built without ``output_args``): a loss it
+    takes only the inputs' gradient shapes of, which is no microbatch of the step."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code, module = frame.f_code.co_name, str(frame.f_globals.get("__name__"))
+        if code == "_backward_metadata_inference" and module.startswith("torch.distributed"):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def assert_true(flag: torch.Tensor, message: str) -> None:
@@ -63,11 +80,13 @@ def gradient_groups(parameters: list[torch.Tensor]) -> Groups:
 
 
 def nonzero_gradients(groups: Groups) -> torch.Tensor:
-    """Whether a gradient (a sparse one's values) is nonzero: a bool tensor, on an accelerator
-    that holds gradients if one does, computed without a host read (meta gradients hold no
-    values: they count as zero)."""
+    """Whether a gradient (a sparse one's values) is nonzero, by its largest magnitude (exact,
+    where a norm of tiny values underflows to 0): a bool tensor, on an accelerator that holds
+    gradients if one does, computed without a host read (meta gradients hold no values: they
+    count as zero)."""
     flags = [
-        torch.stack(torch._foreach_norm([g._values() if g.is_sparse else g for g in grads])) != 0
+        torch.stack(torch._foreach_norm([g._values() if g.is_sparse else g for g in grads], inf))
+        != 0
         for (device, _), grads in groups.items()
         if device.type != "meta"
     ]
@@ -75,6 +94,28 @@ def nonzero_gradients(groups: Groups) -> torch.Tensor:
     device = devices[0] if devices else torch.device("cpu")
     none = torch.zeros(0, dtype=torch.bool, device=device)
     return torch.cat([none, *[flag.to(device, non_blocking=True) for flag in flags]]).any()
+
+
+class BackwardSeen:
+    """Whether a backward has reached the first of ``parameters`` that autograd accumulates
+    into (a leaf that requires grad) since this was made: a hook on it, until :meth:`close`
+    (or this object's collection) removes it."""
+
+    def __init__(self, parameters: list[torch.Tensor]) -> None:
+        seen = self._seen = [False]  # the hook holds this list, not this object
+        leaf = next((p for p in parameters if p.is_leaf and p.requires_grad), None)
+        self._remove: Callable[[], object] = lambda: None
+        if leaf is not None:
+            mark = leaf.register_post_accumulate_grad_hook
+            hook = mark(lambda _: seen.__setitem__(0, True))  # type: ignore[no-untyped-call]
+            self._remove = weakref.finalize(self, hook.remove)
+
+    @property
+    def seen(self) -> bool:
+        return self._seen[0]
+
+    def close(self) -> None:
+        self._remove()
 
 
 def check_zero_gradients(parameters: list[torch.Tensor], message: str) -> None:

@@ -31,11 +31,13 @@ LossLogging = Literal["end", "next_step"]
 Count = int | float | torch.Tensor
 Counts = torch.Tensor | Sequence[Count]
 Losses = torch.Tensor | Mapping[str, torch.Tensor]
+Factors = torch.Tensor | dict[str, torch.Tensor]
 _STATE_FORMAT = 1
 F = TypeVar("F", bound=Callable[..., Any])
 # This process's open scale-after steps, whose parameters' gradients end() rescales: no other
 # Accumulator's loss may reach one. A step leaves when it closes or its Accumulator goes.
 _SCALING_AFTER: weakref.WeakSet[ScaleAfter] = weakref.WeakSet()
+_SCALING_AFTER_LOCK = threading.Lock()  # other threads' steps open and close meanwhile
 
 
 def _exclusive(method: F) -> F:
@@ -163,7 +165,7 @@ class Accumulator:
             self._flight.add(tensors.reduction)
         else:
             tensors = ScaleAfter(params, self._flight.estimated(), divisor, self.layout, loss)
-            _SCALING_AFTER.add(tensors)
+            _scaling_after(tensors, True)
         self.state, self._tensors, self._collective = state, tensors, collective
         return StepContext(self, state.steps)
 
@@ -179,18 +181,17 @@ class Accumulator:
         """``loss`` (a 0-dim tensor, its items' mean or sum; a dict of one per term) times the
         next microbatch's factor (summed over the terms), for ``backward()``; with its counts
         (counting first, checked against begin()'s). A microbatch of weight 0 adds nothing to a
-        term: its loss (a NaN of 0/0 included) reaches no gradient and no log."""
-        losses = _losses(loss, self.options.terms)
+        term: its loss value (a NaN of 0/0 included) reaches no gradient and no log, unlike a
+        NaN made in the loss's own backward (of ``(l * m).sum() / m.sum()`` over no item)."""
+        losses = _losses(loss, self.options.terms, "scale_loss")
         if (inferred := _shape_inference(losses, self._resolver.pipelined)) is not None:
             return inferred  # torch's shape inference, not a microbatch
         given = (num_samples is not None, num_tokens is not None, weight_sum is not None)
         counts = {"samples": num_samples, "tokens": num_tokens, "weight_sum": weight_sum}
         if any(given):  # validated; a count-first step checks them against begin()'s
             counts = {n: c if c is None else _counts(n, c, 0) for n, c in counts.items()}
-        tensors, scaling_after = self._tensors, isinstance(self._tensors, ScaleAfter)
-        # Never in a graph: dynamo would guard on the set, and a graph has no autograd graph.
-        if not torch.compiler.is_compiling() and len(_SCALING_AFTER) > scaling_after:
-            _not_into_another_step(losses, tensors)
+        tensors = self._tensors
+        _not_into_another_step(losses, tensors)
         if isinstance(tensors, ScaleAfter):
             state, _ = machine.scale(self.state, given, traced=False)
             scaled = tensors.scale(losses, counts)
@@ -206,10 +207,11 @@ class Accumulator:
         return scaled
 
     @_exclusive
-    def backward_scale(self, microbatch: int | None = None) -> torch.Tensor:
-        """A count-first factor, ``w * D / W`` (mean losses) or ``D / W`` (sums), float64, one
-        per term if several. ``backward_scale(i)`` gives microbatch ``i`` its factor, for a loop
-        that multiplies the loss itself (then :meth:`record_loss`); ``()``, the next one's."""
+    def backward_scale(self, microbatch: int | None = None) -> Factors:
+        """A count-first factor, ``w * D / W`` (mean losses) or ``D / W`` (sums), float64; with
+        several terms, a dict of them by name, which no other term's loss can take. Microbatch
+        ``i``'s with ``backward_scale(i)``, for a loop that multiplies the loss itself (then
+        :meth:`record_loss`); ``()``, the next one's."""
         self.state, index = machine.factor(self.state, microbatch, _traced(self._tensors))
         tensors = self._tensors
         assert isinstance(tensors, CountFirst)
@@ -223,7 +225,7 @@ class Accumulator:
     def record_loss(self, microbatch: int, loss: Losses) -> None:
         """Hand over the loss that ``backward_scale(microbatch)`` multiplied (a dict of one per
         term, as for :meth:`scale_loss`), for the logged loss (a detached copy is kept)."""
-        losses = _losses(loss, self.options.terms)
+        losses = _losses(loss, self.options.terms, "record_loss")
         self.state, index = machine.record(self.state, microbatch)
         assert isinstance(self._tensors, CountFirst)
         self._tensors.record(index, losses)
@@ -245,7 +247,7 @@ class Accumulator:
         result = self._flight.end(step, tensors, collective)
         self.state, self._tensors = state, None
         if isinstance(tensors, ScaleAfter):
-            _SCALING_AFTER.discard(tensors)
+            _scaling_after(tensors, False)
             if max_grad_norm is not None:
                 result.grad_norm = _torch.clip_norm(tensors.parameters, float(max_grad_norm))
         return result
@@ -257,7 +259,7 @@ class Accumulator:
         tensors, self._tensors = self._tensors, None
         self.state = machine.abandon(self.state)
         if isinstance(tensors, ScaleAfter):
-            _SCALING_AFTER.discard(tensors)
+            _scaling_after(tensors, False)
         if isinstance(tensors, CountFirst):
             tensors.reduction.wait()
 
@@ -366,8 +368,7 @@ class _InFlight:
             codes = self.codes(step.number, terms.SCALE_AFTER_END)
             reduction = tensors.finish(collective, codes, step.given, self.carried)
             self.add(reduction)
-            assert tensors.total is not None
-            self.estimate = tensors.total
+            self.estimate = reduction  # its W, unless its check fails (on an accelerator, later)
             return StepResult(step.number, reduction, reduction, [])
         # A compiled step takes every microbatch through scale_loss(): its reads take none.
         unrecorded = step.unrecorded if step.factored and tensors.cursor is None else []
@@ -555,38 +556,55 @@ def _opening(
     return counts, []
 
 
-def _losses(loss: object, terms_: tuple[Term, ...]) -> tuple[torch.Tensor, ...]:
+def _losses(loss: object, terms_: tuple[Term, ...], caller: str) -> tuple[torch.Tensor, ...]:
     """The losses of a microbatch, one per term, in the terms' order, each checked."""
     if len(terms_) == 1 and not isinstance(loss, dict):  # a one-term dict is taken too
-        _check_loss(loss)
+        _check_loss(loss, caller)
         return (loss,)  # type: ignore[return-value]
     names = [term.name for term in terms_]
     if not isinstance(loss, Mapping) or set(loss) != set(names):
         given = f"losses for {sorted(loss)}" if isinstance(loss, Mapping) else "one loss"
         example = "{" + ", ".join(f"{name!r}: {name}_loss" for name in names) + "}"
-        raise error("loss_names", given=given, names=names, example=example)
+        raise error("loss_names", caller=caller, given=given, names=names, example=example)
     losses = tuple(loss[name] for name in names)
     for value in losses:
-        _check_loss(value)
+        _check_loss(value, caller)
     return losses
+
+
+def _scaling_after(step: ScaleAfter, open_: bool) -> None:
+    """Add ``step`` to this process's open scale-after steps, or take it out as it closes."""
+    with _SCALING_AFTER_LOCK:
+        (_SCALING_AFTER.add if open_ else _SCALING_AFTER.discard)(step)
+    if not open_:
+        step.backward.close()
 
 
 def _not_into_another_step(losses: tuple[torch.Tensor, ...], own: object) -> None:
     """Refuse a loss whose backward reaches the parameters of another Accumulator's open
     scale-after step: that step's end() would rescale its gradient too."""
-    for step in _SCALING_AFTER:
+    # Never in a graph: dynamo would guard on the set, and a graph has no autograd graph.
+    if torch.compiler.is_compiling() or len(_SCALING_AFTER) <= isinstance(own, ScaleAfter):
+        return
+    with _SCALING_AFTER_LOCK:
+        steps = list(_SCALING_AFTER)
+    for step in steps:
         if step is not own and any(_torch.reaches(loss, step.parameters) for loss in losses):
             raise error("into_another_step")
 
 
 def _shape_inference(losses: tuple[torch.Tensor, ...], pipelined: bool) -> torch.Tensor | None:
-    """The losses, unscaled, where this is torch.distributed.pipelining's call of the loss
-    function to infer a stage's shapes (see :func:`lossweight.parallel.shape_inference`)."""
+    """Where torch.distributed.pipelining calls the loss function to infer a stage's shapes
+    (never inside a compiled graph, which cannot walk the stack): the losses, unscaled, since
+    no microbatch of the step is taken; an error if the Accumulator was not told of the
+    pipeline, whose step would otherwise count a microbatch twice."""
     if "torch.distributed.pipelining" not in sys.modules or torch.compiler.is_compiling():
         return None
-    from .parallel import shape_inference  # optional: only where pipelining runs
-
-    return shape_inference(losses, pipelined)
+    if not _torch.inferring_pipeline_shapes():
+        return None
+    if not pipelined:
+        raise error("pipeline_unset")
+    return sum(losses[1:], losses[0])
 
 
 def _check_max_grad_norm(
@@ -605,13 +623,13 @@ def _check_max_grad_norm(
         raise error("clip_sparse", value=value)
 
 
-def _check_loss(loss: object) -> None:
+def _check_loss(loss: object, caller: str) -> None:
     if not isinstance(loss, torch.Tensor):
-        raise error("loss_type", value=loss)
+        raise error("loss_type", caller=caller, value=loss)
     if loss.dim() != 0:
-        raise error("loss_shape", shape=tuple(loss.shape))
+        raise error("loss_shape", caller=caller, shape=tuple(loss.shape))
     if not loss.is_floating_point():
-        raise error("loss_dtype", dtype=loss.dtype)
+        raise error("loss_dtype", caller=caller, dtype=loss.dtype)
 
 
 def _parameter_list(parameters: object) -> list[torch.Tensor]:

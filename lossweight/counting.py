@@ -178,12 +178,17 @@ def aggregate(
         raise ValueError("mask is a 0-dim tensor; pass a mask of shape (..., sequence)")
     expected: tuple[int, ...] = tuple(mask.shape)
     if positions is not None:
+        _check_positions(positions)
         held = torch.zeros(mask.shape[-1], dtype=torch.bool, device=mask.device)
         held[positions] = True
         if isinstance(positions, slice):
             expected = (*mask.shape[:-1], len(range(mask.shape[-1])[positions]))
         else:  # a tensor of indices, on any device: its size, not its values
             expected = (*mask.shape[:-1], positions.numel())
+            _torch.assert_true(
+                held.sum() == positions.numel(),
+                "positions holds a position twice; pass each position this rank holds once",
+            )
     if token_losses.shape != expected:
         raise ValueError(
             f"token_losses has shape {tuple(token_losses.shape)} but mask "
@@ -202,7 +207,7 @@ def aggregate(
     losses = token_losses.to(torch.promote_types(token_losses.dtype, torch.float32))
     if positions is not None:  # this rank's losses in place; the others' positions add 0
         placed = losses.new_zeros(mask.shape)
-        placed[..., held] = losses
+        placed[..., positions] = losses  # in the order given
         losses, targets = placed, targets & held
     count = (first if sequence_mode else targets).sum()
     if sizes is not None:
@@ -214,6 +219,27 @@ def aggregate(
         losses = losses / max_length  # type: ignore[operator]
     # torch.where takes neither the value nor the gradient of a masked-out loss (a NaN included).
     return torch.where(targets, losses, 0.0).sum(), count
+
+
+def _check_positions(positions: object) -> None:
+    """A slice, or a 1-D tensor of integer indices (a boolean mask is refused, naming the fix)."""
+    if isinstance(positions, slice):
+        return
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(
+            f"positions={positions!r} is not a slice or a tensor; pass the positions of the last "
+            "dimension this rank's losses are of, as a slice or a 1-D integer tensor"
+        )
+    if positions.dtype == torch.bool:
+        raise TypeError(
+            "positions is a boolean mask; pass the indices it selects, "
+            "positions.nonzero().squeeze(-1), in the order of this rank's losses"
+        )
+    if positions.is_floating_point() or positions.is_complex() or positions.dim() != 1:
+        raise TypeError(
+            f"positions has dtype {positions.dtype} and {positions.dim()} dimensions; pass a "
+            "1-D integer tensor of indices of the mask's last dimension"
+        )
 
 
 def _sequences(

@@ -3,24 +3,25 @@
 A ``DeviceMesh`` as the group: its data-parallel (and context-parallel) dimensions flattened
 into one process group, the ranks of its root's tensor-parallel dimensions joined to that
 reduction and checked to give the same counts, and the stages of a ``pipeline=`` dimension
-sharing it, the last one computing the loss; and torch.distributed.pipelining's own call of the
-loss function, which is no microbatch of the step. The core imports this module only when an
-Accumulator is given a mesh or ``torch.distributed.pipelining`` is loaded: a vendorer of plain
-data parallelism leaves it out (docs/vendoring.md). Every private torch call it makes is here.
+sharing it, the last one computing the loss. The core imports this module only when an
+Accumulator is given a mesh: a vendorer of plain data parallelism leaves it out
+(docs/vendoring.md). Every private torch call it makes is here.
 """
 
 from __future__ import annotations
 
-import sys
 from array import array
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .errors import device_message, error
-from .terms import Layout
+
+if TYPE_CHECKING:
+    from .terms import Layout
 
 # Mesh dimensions whose ranks hold the same data: tensor, expert-tensor and pipeline parallel.
 _TENSOR_PARALLEL = {"tp", "etp"}
@@ -58,9 +59,10 @@ class MeshGroup:
             if set(name.split("_")) & _TENSOR_PARALLEL and root.size(index) > 1
         ]
         self.peers = tuple(name for name in tensor_parallel if name not in names)
+        # Each group of peers: its size, how many groups, this rank's, and whether it is first.
+        self._size, self._groups, self._index, self._first = 1, 1, 0, True
         if self.peers:
             self._size, self._groups = root[self.peers].size(), mesh.size()
-            self._index = 0  # this rank's group: its place in mesh, the same for its peers
             for size, place in zip(mesh.shape, mesh.get_coordinate() or (), strict=True):
                 self._index = self._index * size + place
             self._first = all(root.get_local_rank(name) == 0 for name in self.peers)
@@ -75,7 +77,7 @@ class MeshGroup:
 
     def replicas(self, world_size: int) -> int:
         """The data-parallel ranks among the reduction's ``world_size``: ``D``'s world."""
-        return world_size // self.stages[0] // (self._size if self.peers else 1)
+        return world_size // self.stages[0] // self._size
 
     def extend(
         self,
@@ -137,20 +139,3 @@ def fingerprint_of(values: torch.Tensor) -> torch.Tensor:
     pieces = values.view(torch.int64)[:, None] >> torch.arange(0, 64, 16, device=values.device)
     weights = torch.arange(1, pieces.numel() + 1, device=values.device).view_as(pieces)
     return (pieces.bitwise_and(0xFFFF) * (weights * 40503 % _PRIME)).sum() % _PRIME
-
-
-def shape_inference(losses: tuple[torch.Tensor, ...], pipelined: bool) -> torch.Tensor | None:
-    """Where torch.distributed.pipelining calls the loss function to infer a stage's shapes
-    (torch 2.13 does, at the first step of a stage built without ``output_args``; never inside
-    a compiled graph, which cannot walk the stack): the losses, unscaled, since no microbatch
-    of the step is taken; an error if the Accumulator was not told of the pipeline, whose step
-    would otherwise count a microbatch twice. None for any other call."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        code, module = frame.f_code.co_name, str(frame.f_globals.get("__name__"))
-        if code == "_backward_metadata_inference" and module.startswith("torch.distributed"):
-            if not pipelined:
-                raise error("pipeline_unset")
-            return sum(losses[1:], losses[0])
-        frame = frame.f_back  # type: ignore[assignment]
-    return None

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 LIMB = 2**31
 _CODES = len(FIELDS)
-_LIMBS = 2 * _CODES + 2  # the first high limb's check: after the codes and the refusal slots
 CHECKED_ON_HOST = ("cpu",)  # device types whose checks read their verdict at once
 
 
@@ -41,7 +40,7 @@ class Reduction:
     torch.compile traces. A scale-after ``end()`` adds what it refuses, on every rank: its
     ``unscaled`` slot, and ``refusal``, this rank's own error (see :func:`_host`)."""
 
-    _mesh: MeshGroup | None
+    _peers: MeshGroup | None
     _error: Exception | None
     _verdict: _torch.Verdict | None
 
@@ -78,7 +77,7 @@ class Reduction:
                 sums, nonfinite = layout.losses[previous]
                 payload[sums].copy_(loss)  # copy_ moves a loss's device too
                 payload[nonfinite].copy_(loss - loss != 0)
-        payload, self._mesh = _with_peers(payload, layout, collective, microbatches or {})
+        payload, self._peers = _with_peers(payload, layout, collective, microbatches or {})
         self.layout, self._payload, self._codes = layout, payload, codes
         self._world_size, self._collective = collective.world_size, type(collective).__name__
         self._handle: Waitable | None = start_all_reduce(collective, payload, traceable)
@@ -136,9 +135,11 @@ class Reduction:
         # low + LIMB * high: the product is exact, the sum is rounded once above 2**53.
         return torch.add(payload[layout.low[count]], payload[layout.high[count]], alpha=LIMB)
 
-    def normaliser(self, term: Term) -> torch.Tensor | float:
-        """A term's ``W``: its count's total over every rank, or its constant."""
-        return self.total(term.count) if term.count else float(term.weight_by)
+    def normaliser(self, term: Term) -> torch.Tensor:
+        """A term's ``W``: its count's total over every rank, or its constant, which waits for
+        the ranks' agreement on it as a total does (on an accelerator, NaN where it failed)."""
+        constant = float(term.weight_by) if term.count is None else 0.0
+        return self.total(term.count) if term.count else self.result()[0] * 0 + constant
 
     def count(self, count: str) -> torch.Tensor:
         """One count total over every rank, as int64 (exact) or, for ``weight_sum``, float64;
@@ -165,7 +166,7 @@ class Reduction:
         self._checked = True
         centre, radius = self._bounds
         checked = (self._payload[: self.layout.checked] - centre).abs() <= radius
-        if (mesh := self._mesh) is not None:
+        if (mesh := self._peers) is not None:
             checked = torch.cat((checked, mesh.verdict(self._payload[self.layout.length :])[None]))
         if torch.compiler.is_compiling() and not _torch.GRAPH_ASSERTS:
             message = device_message("graph_asserts", version=torch.__version__)
@@ -189,7 +190,7 @@ class Reduction:
 
     def _fail(self, checked: torch.Tensor, payload: torch.Tensor) -> None:
         """Raise, and keep for every later use, the error that says what differs."""
-        passed, values = checked.tolist(), payload.tolist()
+        passed, values, layout = checked.tolist(), payload.tolist(), self.layout  # by slot
         ranks, codes = self._world_size, self._codes
         problems = []
         for field in dict.fromkeys(FIELDS):  # a number's four codes say one thing
@@ -197,7 +198,7 @@ class Reduction:
             if not all(passed[i] and passed[_CODES + i] for i in where):
                 mean, square = values[where[0]] / ranks, values[_CODES + where[0]] / ranks
                 own = tuple(codes[i] for i in where)
-                described = ", ".join(map(str, self.layout.terms))
+                described = ", ".join(map(str, layout.terms))
                 problems.append(_problem(field, mean, square, own, described))
         if problems and (ranks == 1 or values[:_CODES] == list(codes)):
             # One rank, or ranks that each got back their own codes: nothing was summed.
@@ -205,16 +206,16 @@ class Reduction:
         elif problems:
             text = "; ".join(problems)
             self._error = error("cannot_be_reduced", step=codes[0], ranks=ranks, problems=text)
-        elif not passed[2 * _CODES]:
+        elif not passed[layout.unscaled]:
             self._error = error("unscaled_gradients")
-        elif not passed[2 * _CODES + 1]:
-            refused = round(values[self.layout.refused])
+        elif not passed[layout.refused]:
+            refused = round(values[layout.refused])
             self._error = self._refusal or error("peer_refused", count=refused, ranks=ranks)
-        elif names := [ARGUMENTS[n] for i, n in enumerate(COUNTS) if not passed[_LIMBS + i]]:
+        elif names := [ARGUMENTS[n] for n in COUNTS if not passed[layout.high[n]]]:
             self._error = error("total_too_large", name=" and ".join(names))
         else:  # only the last check failed: the mesh's peers'
-            assert self._mesh is not None
-            self._error = error("peers_differ", dimensions=self._mesh.peers)
+            assert self._peers is not None
+            self._error = error("peers_differ", dimensions=self._peers.peers)
         raise self._error from None
 
 
@@ -287,6 +288,6 @@ def _with_peers(
 _ASSERT_MESSAGES = (
     *[device_message("disagree", field=field) for field in FIELDS * 2],  # codes, their squares
     device_message("unscaled_gradients"),
-    device_message("peer_refused", count="some", ranks="all"),
+    device_message("peer_refused", count="some", ranks="several"),
     *[device_message("total_too_large", name=ARGUMENTS[count]) for count in COUNTS],
 )

@@ -78,10 +78,12 @@ class CountFirst:
             )
         return self._factors
 
-    def factor(self, index: int) -> torch.Tensor:
-        """Microbatch ``index``'s factor, one per term where there are several."""
+    def factor(self, index: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Microbatch ``index``'s factor; by term name where there are several."""
         factors = self.factors()
-        return factors[0][index] if len(factors) == 1 else torch.stack([f[index] for f in factors])
+        if len(factors) == 1:
+            return factors[0][index]
+        return {term.name: f[index] for term, f in zip(self._terms, factors, strict=True)}
 
     def scale(
         self, losses: Losses, index: int | None, step: int, given: Counted | None = None
@@ -211,6 +213,7 @@ class ScaleAfter:
     ) -> None:
         # Gradients left from before the step would be rescaled with this step's.
         _torch.check_zero_gradients(parameters, _STALE)
+        self.backward = _torch.BackwardSeen(parameters)  # a backward on this rank, scaled or not
         self.parameters, self._estimate, self._divisor = parameters, estimate, divisor
         self._loss = loss
         self._layout, self._terms = layout, layout.terms
@@ -287,10 +290,11 @@ class ScaleAfter:
 
     def _refusals(self, ranks: int, step: int) -> tuple[float | torch.Tensor, Exception | None]:
         """What this rank adds to the reduction's refusal slots, so that every rank refuses
-        together: ``-R`` where a loss went through scale_loss(), else whether its gradients
-        are nonzero (they may come from its peers' scaled losses, summed before end(); from
-        no scaled loss anywhere, they are a backward that scale_loss() did not scale); and
-        its own error where its scaled losses reached none of the parameters."""
+        together: ``-R`` where a loss went through scale_loss(); else, where its gradients are
+        nonzero, 1 if no backward reached them here (they may be its peers' scaled losses',
+        summed by the loop before end(), unless no rank scaled one) or ``R**2 + 1`` if one did
+        (a backward that skipped scale_loss(), refused whatever the peers did); and its own
+        error where its scaled losses reached none of the parameters."""
         if self._losses:
             refusal = None
             if not self._groups:
@@ -299,7 +303,8 @@ class ScaleAfter:
             return -float(ranks), refusal
         if not self._groups or not self._loss:  # a stage before the last scales nothing
             return 0.0, None
-        return _torch.nonzero_gradients(self._groups).to(torch.float64), None
+        own = ranks * ranks + 1 if self.backward.seen else 1
+        return _torch.nonzero_gradients(self._groups) * own, None
 
     def _sum(self, name: str) -> int | float | torch.Tensor:
         """A count's total, or where a microbatch gave a tensor, the counts to sum."""

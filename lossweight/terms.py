@@ -12,6 +12,7 @@ import math
 import numbers
 import struct
 import zlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from . import weighting
@@ -73,6 +74,8 @@ class Term:
             raise error("bad_weight_by", value=self.weight_by)
         if constant and self.loss_reduction == "mean":
             raise error("constant_mean", name=self.name, value=self.weight_by)
+        if constant:  # one number however written (4096, 4096.0, a numpy scalar): a float
+            object.__setattr__(self, "weight_by", float(self.weight_by))
         object.__setattr__(self, "count", None if constant else self.weight_by)
 
     def __str__(self) -> str:
@@ -97,7 +100,8 @@ class Options:
     rescalable: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.terms or not all(isinstance(term, Term) for term in self.terms):
+        terms = self.terms
+        if not isinstance(terms, tuple) or not terms or not all(isinstance(t, Term) for t in terms):
             raise error("bad_terms", value=self.terms)
         if len({term.name for term in self.terms}) < len(self.terms):
             raise error("terms_named_twice", names=[term.name for term in self.terms])
@@ -138,7 +142,10 @@ def terms_of(loss_reduction: object, weight_by: object, terms: object) -> tuple[
     given = {"loss_reduction": loss_reduction, "weight_by": weight_by}
     if names := " and ".join(name for name, value in given.items() if value is not None):
         raise error("terms_and_options", names=names)
-    return tuple(terms) if isinstance(terms, (list, tuple)) else terms  # type: ignore[return-value]
+    if isinstance(terms, Term):
+        return (terms,)
+    iterable = isinstance(terms, Iterable) and not isinstance(terms, (str, bytes, Mapping))
+    return tuple(terms) if iterable else terms  # type: ignore[arg-type, return-value]
 
 
 def choose(name: str, value: object) -> None:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import lossweight
 from lossweight import count_sequences, count_tokens, count_tokens_per_row, token_cross_entropy
 
 IGNORE = -100
@@ -375,3 +376,45 @@ def test_cu_seqlens_may_not_cross_the_rows_of_2d_labels() -> None:
     assert (
         count_tokens(labels, shift=True, cu_seqlens=torch.tensor([0, 2, 4, 8])).item() == 1 + 1 + 3
     )
+
+
+def test_positions_given_in_any_order_place_each_loss_at_its_position() -> None:
+    # Two packed sequences in one row, of 1 and 3 tokens ([0] and [1, 2, 3]); this rank holds
+    # positions 3 and 0, in that order. The sequence-mean of token means divides each loss by
+    # its own sequence's size.
+    mask = torch.ones(1, 4)
+    position_ids = torch.tensor([[0, 0, 1, 2]])
+    losses = torch.tensor([[6.0, 2.0]])  # at positions 3 and 0
+    shuffled = lossweight.aggregate(
+        losses, mask, mode="seq-mean-token-mean", position_ids=position_ids,
+        positions=torch.tensor([3, 0]),
+    )  # fmt: skip
+    ordered = lossweight.aggregate(
+        losses.flip(-1), mask, mode="seq-mean-token-mean", position_ids=position_ids,
+        positions=torch.tensor([0, 3]),
+    )  # fmt: skip
+    assert shuffled[0].item() == ordered[0].item() == 2.0 / 1 + 6.0 / 3
+    # This rank's share of the sequences: all of the first, a third of the second.
+    assert shuffled[1].item() == pytest.approx(1 + 1 / 3, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("positions", "error", "message"),
+    [
+        (torch.tensor([True, False, True, False]), TypeError, r"positions is a boolean mask"),
+        (torch.tensor([0.0, 1.0]), TypeError, r"positions has dtype torch.float32"),
+        ([0, 1], TypeError, r"positions=\[0, 1\] is not a slice or a tensor"),
+        (torch.tensor([1, 1]), RuntimeError, r"positions holds a position twice"),
+    ],
+    ids=["boolean mask", "float indices", "a list", "repeated"],
+)
+def test_positions_that_are_not_distinct_indices_are_refused(
+    positions: object, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        lossweight.aggregate(
+            torch.ones(2, 2),
+            torch.ones(2, 4),
+            mode="token-mean",
+            positions=positions,  # type: ignore[arg-type]
+        )

@@ -99,3 +99,44 @@ def test_flush_reports_the_last_step_s_disagreement_on_the_device_path(
     deferred = InProcessGroup(2).run(last_scale_after_step)
     assert [where for where, _ in deferred] == ["flush", "flush"]
     assert [message for _, message in deferred] == [message for _, message in on_host]
+
+
+def refused_then_recovered(rank: int, collective: InProcessCollective) -> tuple[str, float, float]:
+    """A scale-after step that rank 0 refuses (its losses reach none of its parameters), then,
+    as the error says, abandon() and zeroed gradients on every rank, and a good step: (the
+    error, the refused step's gradient, the good step's gradient)."""
+    acc = Accumulator(loss_reduction="sum", collective=collective)
+    x = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    elsewhere = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    acc.begin(parameters=[elsewhere] if rank == 0 else [x])
+    acc.scale_loss(x * 3.0, num_tokens=3).backward()
+    message = ""
+    try:
+        acc.end()
+        acc.begin(parameters=[x])  # the next call raises, once the verdict has landed
+    except (ValueError, RuntimeError) as error:
+        message = str(error)
+    refused = math.nan if x.grad is None else x.grad.item()
+    acc.abandon()
+    x.grad = None
+    acc.begin(parameters=[x])  # rank r's summed loss (r + 1) x over r + 1 tokens: x's mean
+    acc.scale_loss(x * (rank + 1.0), num_tokens=rank + 1).backward()
+    acc.end()
+    assert x.grad is not None
+    return message, refused, x.grad.item()
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_the_step_after_a_refusal_is_exact_on_either_path(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if path == "device":
+        monkeypatch.setattr(payload, "CHECKED_ON_HOST", ())  # the CPU as an accelerator
+    outcomes = InProcessGroup(2).run(refused_then_recovered)
+    assert "none of the 1 parameters given to begin() has a gradient" in outcomes[0][0]
+    assert "1 of the 2 ranks of the reduction refused to end this step" in outcomes[1][0]
+    if path == "device":  # the refused step's gradients became NaN, not a finite wrong value
+        assert math.isnan(outcomes[1][1])
+    # The estimate of W the next step assumes is the option's, not the refused step's NaN:
+    # D = 2 over W = 3, each rank's gradient (r + 1) * 2 / 3; their mean is 1.
+    assert [grad for _, _, grad in outcomes] == [pytest.approx(2 / 3), pytest.approx(4 / 3)]

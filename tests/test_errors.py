@@ -182,10 +182,10 @@ def test_beginning_a_step_while_one_is_open() -> None:
         (
             torch.ones(4),
             ValueError,
-            r"loss has shape \(4,\), but it must be a scalar \(0-dim\) tensor; reduce it",
+            r"scale_loss\(\) got a loss of shape \(4,\), but it must be a scalar \(0-dim\)",
         ),
-        (torch.tensor(3), TypeError, r"loss has dtype torch.int64; pass a floating-point loss"),
-        (1.5, TypeError, r"loss=1.5 is not a tensor"),
+        (torch.tensor(3), TypeError, r"got a loss of dtype torch.int64; pass a floating-point"),
+        (1.5, TypeError, r"scale_loss\(\) got loss=1.5, which is not a tensor"),
     ],
 )
 def test_bad_losses(loss: object, error: type, message: str) -> None:

@@ -7,6 +7,7 @@ half-done.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from lossweight import Accumulator
+from lossweight.testing import InProcessCollective, InProcessGroup
 
 F64 = torch.float64
 
@@ -180,3 +182,38 @@ def test_a_resumed_run_may_change_its_configuration() -> None:
     assert resumed.state_dict()["weight_estimate"] == 6.0 and resumed.steps == 1
     with pytest.raises(ValueError, match="saved with weight_by='tokens'"):
         Accumulator(loss_reduction="mean", weight_by="samples").load_state_dict(saved)
+
+
+def test_scale_after_steps_open_and_close_in_many_threads_at_once() -> None:
+    # Every scale_loss() checks the loss against the process's open scale-after steps, a set
+    # that the other threads' begin() and end() change meanwhile: 16 ranks simulated in
+    # threads, each alternating scale-after and count-first steps over parameters of its own.
+    # Iterating the set while another thread changed it raised "Set changed size during
+    # iteration" about once in 300 steps.
+    group, steps = InProcessGroup(16), 60
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as they can: the race shows at once
+
+    def rank_steps(rank: int, collective: InProcessCollective) -> float:
+        acc = Accumulator(loss_reduction="sum", collective=collective)  # type: ignore[arg-type]
+        p = _parameter()
+        for step in range(steps):
+            p.grad = None
+            if step % 2:
+                acc.begin(num_tokens=[1, 2])
+                for count in (1, 2):
+                    acc.scale_loss(p * count).backward()
+            else:
+                acc.begin(parameters=[p])
+                for count in (1, 2):
+                    acc.scale_loss(p * count, num_tokens=count).backward()
+            acc.end()
+            assert p.grad is not None and p.grad.item() == pytest.approx(1.0, rel=1e-12)
+        return p.grad.item()
+
+    try:
+        grads = group.run(rank_steps)
+    finally:
+        sys.setswitchinterval(switch)
+    # D = 16 (the mean of 16 ranks) over W = 48: each rank holds 16 / 48 * (1 + 2) = 1.
+    assert grads == [pytest.approx(1.0, rel=1e-12)] * 16

@@ -61,7 +61,7 @@ OTHER = "other"  # the owner of the other Accumulator's parameters
 OTHER_SLOTS = ("q0", "q1")
 FORMS = ("list", "tuple", "iter", "named", "chain", "module", "named_dup", "optimizer", "whole")
 ELSEWHERE = "reaches parameters of another Accumulator's open scale-after step"
-UNSCALED = "found nonzero gradients, but no loss of the step went through scale_loss()"
+UNSCALED = "found nonzero gradients that no scale_loss() produced"
 STALE = "already hold nonzero gradients"
 
 Owner = int | str  # a rank of the data-parallel Accumulators, or OTHER

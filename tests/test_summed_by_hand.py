@@ -101,6 +101,12 @@ def _refusal(rank: int, world_size: int, case: str) -> dict[str, Any]:
     if case == "forgotten_everywhere":
         acc.begin(parameters=[x])
         (x * 3.0).backward()  # scale_loss() forgotten on every rank
+    elif case.startswith("forgotten_on_rank_1"):  # rank 0 scales its loss, rank 1 forgets to
+        acc.begin(parameters=[x])
+        loss = x * 3.0
+        (acc.scale_loss(loss, num_tokens=3) if rank == 0 else loss).backward()
+        if case.endswith("summed"):  # the loop sums the gradients before end(): all the same
+            _sum_gradients([x])
     else:  # rank 0's losses reach none of the parameters it gave begin()
         acc.begin(parameters=[elsewhere] if rank == 0 else [x])
         acc.scale_loss(x * 3.0, num_tokens=3).backward()
@@ -127,7 +133,8 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
         for weight_by in ("tokens", "samples")
         for loss_reduction in ("mean", "sum")
     }
-    cases = ("forgotten_everywhere", "no_gradients")
+    cases = ("forgotten_everywhere", "forgotten_on_rank_1", "forgotten_on_rank_1_summed")
+    cases += ("no_gradients",)
     refusals = {case: _refusal(rank, world_size, case) for case in cases}
     return {"steps": steps, "refusals": refusals}
 
@@ -150,11 +157,17 @@ def test_a_rank_with_no_microbatch_takes_its_peers_gradients(ranks: list[dict]) 
                 assert record["count"] == record["expected_count"] > 0, (where, record)
 
 
-def test_a_forgotten_scale_loss_is_refused_on_every_rank(ranks: list[dict]) -> None:
+@pytest.mark.parametrize(
+    "case", ["forgotten_everywhere", "forgotten_on_rank_1", "forgotten_on_rank_1_summed"]
+)
+def test_a_forgotten_scale_loss_is_refused_on_every_rank(ranks: list[dict], case: str) -> None:
+    # On every rank, or on one while the others scale theirs, its gradients the rank's own or
+    # summed with the others' before end() (where every rank then holds the same gradients):
+    # the backward on a rank that scaled no loss is seen, and refused on every rank.
     for rank, outcome in enumerate(ranks):
-        refused = outcome["refusals"]["forgotten_everywhere"]
+        refused = outcome["refusals"][case]
         assert refused["error"] == "RuntimeError", (rank, refused)
-        assert "no loss of the step went through scale_loss() on any rank" in refused["message"]
+        assert "found nonzero gradients that no scale_loss() produced" in refused["message"]
 
 
 def test_a_refusal_on_one_rank_reaches_every_rank(ranks: list[dict]) -> None:
@@ -167,7 +180,7 @@ def test_a_refusal_on_one_rank_reaches_every_rank(ranks: list[dict]) -> None:
     for rank in range(1, world_size):
         told = ranks[rank]["refusals"]["no_gradients"]
         assert told["error"] == "RuntimeError", (rank, told)
-        assert f"1 of the {world_size} ranks refused to end this step" in told["message"]
+        assert f"1 of the {world_size} ranks of the reduction refused" in told["message"]
 
 
 def test_the_step_after_a_refusal_is_exact(ranks: list[dict]) -> None:

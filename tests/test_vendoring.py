@@ -78,6 +78,23 @@ def test_the_parallel_file_added_runs_a_mesh_step_under_another_name(tmp_path: P
     )
 
 
+def test_the_accumulator_files_run_a_step_beside_torch_pipelining(tmp_path: Path) -> None:
+    # torch.distributed.pipelining loaded, and no parallel.py: the core recognises torch's
+    # shape-inference call by itself, and a plain step runs as ever.
+    vendor(tmp_path, list(ACCUMULATOR_FILES))
+    run_isolated(
+        tmp_path,
+        "import torch, torch.distributed.pipelining\n"
+        "from mytrainer._vendor.lw.accumulator import Accumulator\n"
+        "x = torch.ones((), dtype=torch.float64, requires_grad=True)\n"
+        "acc = Accumulator(loss_reduction='sum')\n"
+        "acc.begin(num_tokens=[2, 1])\n"
+        "for count in (2, 1):\n"
+        "    acc.scale_loss(x * count).backward()\n"
+        "assert x.grad.item() == 1.0 and acc.end().num_tokens.item() == 3\n",
+    )
+
+
 def test_a_plain_step_imports_no_parallel_layout() -> None:
     code = (
         "import sys, torch, lossweight\n"

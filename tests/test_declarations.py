@@ -1,0 +1,128 @@
+"""Constants, factors and options that ranks or terms could mix up: exact, or a clear error.
+
+A constant normaliser is one number however it is written, and the ranks agree on it before
+any gradient uses it; a loop that scales by hand gets each term's factor by name; the forms of
+``terms=`` a user may pass are taken or refused by name; ``record_loss()``'s errors name it.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from lossweight import Accumulator, DisagreementError, Term
+from lossweight.testing import InProcessCollective, InProcessGroup
+
+F64 = torch.float64
+
+
+def _constant_step(constant: object, loss_logging: str = "end") -> list[float]:
+    """Two ranks, each with one summed loss 2 x over a term divided by its own ``constant``
+    (rank 1's given as ``float(constant)``): each rank's gradient."""
+
+    def rank_step(rank: int, collective: InProcessCollective) -> float:
+        given = constant if rank == 0 else float(constant)  # type: ignore[arg-type]
+        term = Term("policy", "sum", given)
+        acc = Accumulator(terms=[term], collective=collective, loss_logging=loss_logging)  # type: ignore[arg-type]
+        x = torch.zeros((), dtype=F64, requires_grad=True)
+        acc.begin(num_tokens=[3])
+        acc.scale_loss({"policy": x * 2.0}).backward()
+        acc.end()
+        assert x.grad is not None
+        return x.grad.item()
+
+    return InProcessGroup(2).run(rank_step)
+
+
+@pytest.mark.parametrize("constant", [4096, 4096.0, np.float64(4096.0), np.int64(4096)])
+def test_a_constant_is_one_number_however_it_is_written(constant: object) -> None:
+    # D = 2 (the mean of 2 ranks) over the constant: each rank's factor is 2 / 4096.
+    assert _constant_step(constant) == [pytest.approx(4.0 / 4096, rel=1e-15)] * 2
+    term = Term("policy", "sum", constant)  # type: ignore[arg-type]
+    assert type(term.weight_by) is float and term.weight_by == 4096.0
+    assert Term("policy", "sum", 4096) == Term("policy", "sum", 4096.0)
+
+
+def test_a_numpy_constant_saves_as_a_python_number() -> None:
+    acc = Accumulator(terms=[Term("policy", "sum", np.float32(512.0))])
+    buffer = io.BytesIO()
+    torch.save(acc.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    assert state["options"]["terms"] == [["policy", "sum", 512.0]]
+    Accumulator(terms=[Term("policy", "sum", 512.0)]).load_state_dict(state)
+
+
+@pytest.mark.parametrize("loss_logging", ["end", "next_step"])
+def test_ranks_with_different_constants_are_refused_before_any_gradient(loss_logging: str) -> None:
+    # The steps' counts agree, their constants do not: the first scale_loss() of the step,
+    # which needs the normaliser, refuses on every rank, before any backward.
+
+    def rank_step(rank: int, collective: InProcessCollective) -> str:
+        constant = 4096.0 if rank == 0 else 2048.0
+        term = Term("policy", "sum", constant)
+        acc = Accumulator(terms=[term], collective=collective, loss_logging=loss_logging)  # type: ignore[arg-type]
+        x = torch.zeros((), dtype=F64, requires_grad=True)
+        acc.begin(num_tokens=[3])
+        with pytest.raises(DisagreementError, match="the ranks differ in their loss terms") as info:
+            acc.scale_loss({"policy": x * 2.0})
+        assert x.grad is None
+        return str(info.value)
+
+    messages = InProcessGroup(2).run(rank_step)
+    assert "'policy' (sum, by 4096.0)" in messages[0]
+    assert "'policy' (sum, by 2048.0)" in messages[1]
+
+
+def test_a_loop_that_scales_by_hand_gets_each_term_s_factor_by_name() -> None:
+    # The losses' dict in another order than the terms: each factor still goes to its term.
+    acc = Accumulator(terms=[Term("lm", "sum"), Term("aux", "mean", "samples")])
+    x = torch.zeros((), dtype=F64, requires_grad=True)
+    acc.begin(num_tokens=[3, 1], num_samples=[1, 3])
+    for index in range(2):
+        factors = acc.backward_scale(index)
+        assert isinstance(factors, dict) and list(factors) == ["lm", "aux"]
+        losses = {"aux": x * 5.0, "lm": x * 2.0}
+        sum(loss * factors[name] for name, loss in losses.items()).backward()
+        acc.record_loss(index, {name: loss.detach() for name, loss in losses.items()})
+    acc.end()
+    # lm: 2 + 2 over 4 tokens; aux: means of 5, weighted 1 and 3 over 4 samples.
+    assert x.grad is not None and x.grad.item() == pytest.approx(4 / 4 + 5.0, rel=1e-15)
+    # One term: its factor, a 0-dim tensor, as before.
+    single = Accumulator(loss_reduction="sum")
+    single.begin(num_tokens=[4])
+    assert single.backward_scale(0).shape == ()
+
+
+@pytest.mark.parametrize(
+    "terms",
+    [
+        Term("lm", "sum"),
+        (term for term in [Term("lm", "sum"), Term("aux", "mean", "samples")]),
+        {"lm": Term("lm", "sum")}.values(),
+    ],
+    ids=["one Term", "a generator", "a dict's values"],
+)
+def test_terms_may_be_any_iterable_of_terms_or_one(terms: object) -> None:
+    acc = Accumulator(terms=terms)  # type: ignore[arg-type]
+    assert acc.options.terms[0] == Term("lm", "sum")
+
+
+@pytest.mark.parametrize("terms", ["lm", {"lm": "sum"}, [Term("lm", "sum"), "aux"], 3])
+def test_terms_that_are_not_terms_are_refused_by_name(terms: object) -> None:
+    with pytest.raises(TypeError, match=r"is not a non-empty list of lossweight.Term"):
+        Accumulator(terms=terms)  # type: ignore[arg-type]
+
+
+def test_record_loss_s_errors_name_record_loss() -> None:
+    acc = Accumulator(terms=[Term("lm", "sum"), Term("aux", "mean", "samples")])
+    acc.begin(num_tokens=[1], num_samples=[1])
+    acc.backward_scale(0)
+    x = torch.ones((), requires_grad=True)
+    with pytest.raises(ValueError, match=r"^record_loss\(\) got one loss, but the Accumulator"):
+        acc.record_loss(0, x)
+    with pytest.raises(TypeError, match=r"^record_loss\(\) got loss="):
+        acc.record_loss(0, {"lm": 1.0, "aux": x})
