@@ -1,4 +1,4 @@
-"""Real torch.distributed gloo ranks for the multi-process tests, with a hard deadline.
+"""Real torch.distributed gloo ranks for the multi-process tests, with a deadline on progress.
 
 ``run_ranks(world_size, function, *args)`` starts ``world_size`` processes (multiprocessing's
 "spawn" context), joins them into one gloo process group through a file in a fresh temporary
@@ -6,9 +6,12 @@ directory, runs ``function(rank, world_size, *args)`` on each, and returns one :
 per rank: the function's JSON-able return value, or the type, message and traceback of what it
 raised. ``function`` must be a module-level function and ``args`` picklable.
 
-Whatever the ranks do, the call returns or fails within ``deadline`` seconds: a rank still
-running then has its Python stacks dumped (faulthandler) and is SIGKILLed, and the call raises
-an AssertionError naming the ranks that hung, with their stacks. A rank that dies without
+Whatever the ranks do, the call returns or fails once they have made no progress for
+``deadline`` seconds (no rank used CPU time: they sleep, or wait for each other), or after
+``CAP`` times that in all: a rank still running then has its Python stacks dumped
+(faulthandler) and is SIGKILLed, and the call raises an AssertionError naming the ranks that
+hung, with their stacks. A machine that is busy with other work slows the ranks down but does
+not stop their progress, so a healthy launch is not killed for it. A rank that dies without
 reporting (a signal, a crash at start-up) fails the call the same way, at once.
 """
 
@@ -40,11 +43,13 @@ from typing import Any
 # within the deadline, so that it fails as an error on the rank (with its traceback) rather
 # than as a kill.
 COLLECTIVE_TIMEOUT = 10.0
-# The hard limit on one launch, from start to the last rank's exit: a few seconds of start-up
-# (each process imports torch and the function's module), the work, and room for a collective
-# timeout. Launches pass their own, sized to their work.
+# How long the ranks of a launch may go without progress (no rank using CPU time) before they
+# are killed: room for a collective timeout, which ends a rank's wait on its own. Launches pass
+# their own, sized to their work. CAP bounds a launch whose ranks spin without end.
 DEADLINE = 45.0
+CAP = 20
 _POLL = 0.02
+_PROGRESS = 5  # clock ticks of CPU time (50 ms at the usual 100 a second)
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,7 @@ def run_ranks(
     try:
         for process in processes:
             process.start()
-        hung, crashed = _wait(processes, directory, start + deadline)
+        hung, crashed = _wait(processes, directory, start, deadline)
         if hung or crashed:
             raise AssertionError(_failure(function, deadline, directory, processes, hung, crashed))
         return [_read_outcome(directory, rank) for rank in range(world_size)]
@@ -115,11 +120,32 @@ def run_ranks(
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def _cpu_ticks(processes: list[multiprocessing.process.BaseProcess], directory: Path) -> int | None:
+    """The CPU time that the ranks still at work (not yet reported) have used so far, in clock
+    ticks; None where /proc cannot tell (not Linux): the deadline then counts from the start."""
+    total = 0
+    for rank, process in enumerate(processes):
+        if _result_path(directory, rank).exists():  # done: it only waits for the others
+            continue
+        try:  # utime and stime: the 14th and 15th fields, the 12th and 13th after the name
+            fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except FileNotFoundError:  # exited: it made its progress
+            continue
+        except (OSError, ValueError, IndexError):
+            return None
+    return total
+
+
 def _wait(
-    processes: list[multiprocessing.process.BaseProcess], directory: Path, deadline: float
+    processes: list[multiprocessing.process.BaseProcess],
+    directory: Path,
+    start: float,
+    deadline: float,
 ) -> tuple[list[int], list[int]]:
-    """Wait until every rank has exited, a rank has died without reporting, or the deadline;
-    then SIGKILL what still runs. Returns (ranks that hung, ranks that crashed)."""
+    """Wait until every rank has exited, a rank has died without reporting, or the ranks have
+    made no progress for ``deadline`` seconds (or run ``CAP`` times that); then SIGKILL what
+    still runs. Returns (ranks that hung, ranks that crashed)."""
 
     def crashed() -> list[int]:
         return [
@@ -128,8 +154,17 @@ def _wait(
             if process.exitcode not in (None, 0) and not _result_path(directory, rank).exists()
         ]
 
+    ticks, progressed = _cpu_ticks(processes, directory), start
     # Stop at a crash too: its peers would only wait for it until their collectives time out.
-    while time.monotonic() < deadline and any(p.is_alive() for p in processes) and not crashed():
+    while any(p.is_alive() for p in processes) and not crashed():
+        now = time.monotonic()
+        if now - progressed > deadline or now - start > CAP * deadline:
+            break
+        # Progress: the ranks at work used a few clock ticks more (a rank that waits, polling
+        # or in a collective, uses hardly any).
+        used = _cpu_ticks(processes, directory)
+        if ticks is not None and used is not None and used - ticks >= _PROGRESS:
+            ticks, progressed = used, now
         time.sleep(_POLL)
     died = crashed()  # before the kills below, which are not crashes
     hung = [
@@ -166,8 +201,8 @@ def _failure(
         lines.append(f"{name}: rank(s) {hung} still running then, SIGKILLed")
     elif hung:
         lines.append(
-            f"{name}: rank(s) {hung} of {len(processes)} hung: still running after the "
-            f"{deadline:g} s deadline, SIGKILLed"
+            f"{name}: rank(s) {hung} of {len(processes)} hung: still running after "
+            f"{deadline:g} s without progress, SIGKILLed"
         )
     for rank in range(len(processes)):
         if _result_path(directory, rank).exists():
@@ -287,6 +322,14 @@ def raise_or_hang(rank: int, world_size: int) -> None:
     if rank == 0:
         raise ValueError("rank 0 gives up")
     time.sleep(3600)
+
+
+def busy_for(rank: int, world_size: int, seconds: float) -> int:
+    """Compute for ``seconds`` of CPU time (a slow, healthy rank), then return the rank."""
+    used = time.process_time()
+    while time.process_time() - used < seconds:
+        pass
+    return rank
 
 
 def abort_or_wait(rank: int, world_size: int) -> None:

@@ -40,10 +40,6 @@ from .distributed_worker import (
 )
 from .problem import make_model, max_relative_error, microbatch_loss, reference, split
 
-# What "within seconds" means: a scenario is a few steps of a scalar or a tiny fp64 model, a
-# matter of milliseconds (the first DDP step about 1 s); one that waited for a collective
-# until gloo's timeout (10 s, tests/gloo.py) would take longer.
-FAST = 8.0
 # Every option named in a disagreement message ("the ranks differ in <option>").
 OPTIONS = ("their loss terms", "loss_logging", "grad_reduction")
 
@@ -618,16 +614,15 @@ def hardening_runs(launch: dict) -> dict:
 
 
 def _message(record: dict, rank: int, name: str) -> str:
+    # A rank that waited for a collective until gloo's timeout would raise gloo's RuntimeError.
     assert record.get("error") == "DisagreementError" and record["lossweight's"], (
         f"{name}, rank {rank}: expected a lossweight.DisagreementError, got {record}"
     )
-    assert record["seconds"] < FAST, f"{name}, rank {rank}: took {record['seconds']:.1f} s"
     return record["message"]
 
 
 def _fine(record: dict, rank: int, name: str) -> Any:
     assert "error" not in record, f"{name}, rank {rank} raised: {record}"
-    assert record["seconds"] < FAST, f"{name}, rank {rank}: took {record['seconds']:.1f} s"
     return record["values"]
 
 
@@ -810,7 +805,7 @@ def test_a_rank_with_one_step_more_in_all_pairs_by_index_then_times_out() -> Non
     losses = [seen["loss"] for seen in outcomes[0].value]
     assert losses == pytest.approx([1.0, (2 * 2 + 1 * 1) / 3, (3 * 3 + 2 * 2) / 5]), report
     assert outcomes[1].error is not None and outcomes[1].error != "DisagreementError", report
-    assert outcomes[1].seconds < 20, report
+    assert "Timed out" in outcomes[1].message or "timeout" in outcomes[1].message.lower(), report
 
 
 def test_the_same_divisor_given_two_ways_agrees(protocol_runs: list[dict]) -> None:
@@ -923,24 +918,28 @@ def test_an_explicit_collective_makes_an_accumulator_unpicklable() -> None:
 
 
 def test_the_harness_kills_a_hung_rank_and_reports_every_rank() -> None:
-    # Rank 0 raises at once, rank 1 sleeps: the launch ends at its deadline, naming rank 1 as
-    # hung, with its stack, and what rank 0 raised.
-    start = time.monotonic()
+    # Rank 0 raises at once, rank 1 sleeps: the launch ends once the ranks have made no
+    # progress for its deadline, naming rank 1 as hung, with its stack, and what rank 0 raised.
     with pytest.raises(AssertionError) as failure:
         gloo.run_ranks(2, gloo.raise_or_hang, deadline=8)
-    assert time.monotonic() - start < 12
     message = str(failure.value)
-    assert "rank(s) [1] of 2 hung: still running after the 8 s deadline, SIGKILLed" in message
+    assert "rank(s) [1] of 2 hung: still running after 8 s without progress, SIGKILLed" in message
     assert "in raise_or_hang" in message  # rank 1's stack when it was killed
     assert "rank 0 raised ValueError: rank 0 gives up" in message
 
 
+def test_the_harness_waits_for_ranks_that_make_progress() -> None:
+    # Ranks that compute for longer than the deadline are slow, not hung: a busy machine makes
+    # every rank so, and the deadline counts time without progress.
+    outcomes = gloo.run_ranks(2, gloo.busy_for, 4.0, deadline=2)
+    assert gloo.values(outcomes) == [0, 1]
+
+
 def test_the_harness_stops_at_once_when_a_rank_dies() -> None:
-    start = time.monotonic()
     with pytest.raises(AssertionError) as failure:
         gloo.run_ranks(2, gloo.abort_or_wait, deadline=30)
-    assert time.monotonic() - start < 15  # not the deadline
-    message = str(failure.value)
+    message = str(failure.value)  # a death, not the deadline: no rank is called hung
+    assert "hung" not in message
     assert "rank 1 died with signal SIGABRT before reporting an outcome" in message
     assert "rank(s) [0] still running then, SIGKILLed" in message
     assert "in abort_or_wait" in message  # the stacks of both ranks
