@@ -84,12 +84,12 @@ def nonzero_gradients(groups: Groups) -> torch.Tensor:
     where a norm of tiny values underflows to 0): a bool tensor, on an accelerator that holds
     gradients if one does, computed without a host read (meta gradients hold no values: they
     count as zero)."""
-    flags = [
-        torch.stack(torch._foreach_norm([g._values() if g.is_sparse else g for g in grads], inf))
-        != 0
-        for (device, _), grads in groups.items()
-        if device.type != "meta"
-    ]
+    flags = []
+    for (device, _), grads in groups.items():
+        dense = [g._values() if g.is_sparse else g for g in grads]
+        dense = [g for g in dense if g.numel()]  # empty: holds nothing, and the norm refuses it
+        if device.type != "meta" and dense:
+            flags.append(torch.stack(torch._foreach_norm(dense, inf)) != 0)
     devices = [flag.device for flag in flags if flag.device.type != "cpu"]
     device = devices[0] if devices else torch.device("cpu")
     none = torch.zeros(0, dtype=torch.bool, device=device)

@@ -328,12 +328,14 @@ class _InFlight:
         self.estimate, self.assumed = estimate, terms.number_codes(estimate)
 
     def estimated(self) -> float | torch.Tensor:
-        """The ``E`` of the next scale-after step; the option's if the last reduction failed."""
+        """The ``E`` of the next scale-after step: the last reduction's ``W``, or the option's
+        where its check failed, with the same value and codes on every rank whether it knows
+        of the failure yet or not (on an accelerator the total is NaN until the host knows)."""
         estimate = self.estimate
-        if isinstance(estimate, payload.Reduction) and estimate.failed:
-            self.assume(self.default)
-        elif isinstance(estimate, payload.Reduction):
-            self.estimate = estimate.total(self.options.weight_by)
+        if isinstance(estimate, payload.Reduction):
+            failed = estimate.failed
+            total = estimate.total(self.options.weight_by) if not failed else torch.tensor(math.nan)
+            self.estimate = torch.where(total.isnan(), self.default, total)
         return self.estimate  # type: ignore[return-value]
 
     def adopt(self, collective: Collective) -> float:

@@ -230,9 +230,9 @@ def _check_positions(positions: object) -> None:
             f"positions={positions!r} is not a slice or a tensor; pass the positions of the last "
             "dimension this rank's losses are of, as a slice or a 1-D integer tensor"
         )
-    if positions.dtype == torch.bool:
+    if positions.dtype in (torch.bool, torch.uint8):  # torch indexes with either as a mask
         raise TypeError(
-            "positions is a boolean mask; pass the indices it selects, "
+            f"positions is a mask ({positions.dtype}); pass the indices it selects, "
             "positions.nonzero().squeeze(-1), in the order of this rank's losses"
         )
     if positions.is_floating_point() or positions.is_complex() or positions.dim() != 1:

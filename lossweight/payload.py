@@ -228,9 +228,10 @@ def _host(
 ) -> list[float]:
     """The payload's numbers known on the host, then each checked slot's centre and radius.
     The sums of the codes must be ``R * c`` and ``R * c**2``; of the refusal slots, ``unscaled``
-    at most 0 (a rank whose gradients are nonzero though it scaled no loss adds 1, one that
-    scaled a loss adds ``-R``: the sum is positive only where no rank scaled one) and
-    ``refused`` 0; each high limb's in ``[0, LIMB)``."""
+    at most 0 (a rank that scaled a loss adds ``-R``; one that scaled none, where its gradients
+    are nonzero, 1, or ``R**2 + 1`` if a backward reached them there: the sum is positive where
+    no rank scaled a loss or a rank back-propagated one unscaled) and ``refused`` 0; each high
+    limb's in ``[0, LIMB)``."""
     limbs, agreement = [(LIMB - 1) / 2] * len(COUNTS), [*codes, *(c * c for c in codes)]
     centre = [ranks * code for code in agreement] + [-(ranks**2) / 2, 0.0] + limbs
     radius = [0.0] * len(agreement) + [ranks**2 / 2, 0.0] + limbs

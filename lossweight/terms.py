@@ -144,7 +144,8 @@ def terms_of(loss_reduction: object, weight_by: object, terms: object) -> tuple[
         raise error("terms_and_options", names=names)
     if isinstance(terms, Term):
         return (terms,)
-    iterable = isinstance(terms, Iterable) and not isinstance(terms, (str, bytes, Mapping))
+    unordered = (str, bytes, Mapping, set, frozenset)  # a set's order differs between ranks
+    iterable = isinstance(terms, Iterable) and not isinstance(terms, unordered)
     return tuple(terms) if iterable else terms  # type: ignore[arg-type, return-value]
 
 

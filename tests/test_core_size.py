@@ -9,11 +9,12 @@ script reports against: they go down with every simplification, and up only by t
 behaviour the library must add. The code lines were measured first at 1,720 (a scale-after
 ``end()``'s refusals just carried by the step's reduction, so that every rank raises together),
 then 1,646 once the mesh, tensor-parallel and pipeline support moved to ``parallel.py`` (94
-code lines), then 1,695 (and the sittings from 287 and 311 to 290 and 328): a backward on a
+code lines), then 1,696 (and the sittings from 287 and 311 to 290 and 329): a backward on a
 rank that scaled no loss seen by a hook and refused on every rank, torch's pipelining
 shape-inference call recognised in the core again (a vendored core without ``parallel.py``
 must not count it as a microbatch), constants agreed before any factor uses them, factors by
-term name, and the open scale-after steps read under a lock. ``parallel.py``'s bound is its
+term name, the open scale-after steps read under a lock, and the estimate after a failed
+reduction chosen on the device. ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
 
@@ -51,10 +52,10 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1695),
+    ("code lines", lambda s: s.code_lines, "<=", 1696),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
     ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 290),
-    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 328),
+    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 329),
     ("torch-free lines", lambda s: s.torch_free_lines, ">=", 350),
     ("longest class", lambda s: s.longest_class.lines, "<=", 250),
     ("longest function", lambda s: s.longest_function.lines, "<=", 40),

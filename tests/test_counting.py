@@ -401,12 +401,17 @@ def test_positions_given_in_any_order_place_each_loss_at_its_position() -> None:
 @pytest.mark.parametrize(
     ("positions", "error", "message"),
     [
-        (torch.tensor([True, False, True, False]), TypeError, r"positions is a boolean mask"),
+        (
+            torch.tensor([True, False, True, False]),
+            TypeError,
+            r"positions is a mask \(torch.bool\)",
+        ),
+        (torch.tensor([1, 0, 1, 0], dtype=torch.uint8), TypeError, r"a mask \(torch.uint8\)"),
         (torch.tensor([0.0, 1.0]), TypeError, r"positions has dtype torch.float32"),
         ([0, 1], TypeError, r"positions=\[0, 1\] is not a slice or a tensor"),
         (torch.tensor([1, 1]), RuntimeError, r"positions holds a position twice"),
     ],
-    ids=["boolean mask", "float indices", "a list", "repeated"],
+    ids=["boolean mask", "uint8 mask", "float indices", "a list", "repeated"],
 )
 def test_positions_that_are_not_distinct_indices_are_refused(
     positions: object, error: type[Exception], message: str

@@ -111,7 +111,9 @@ def test_terms_may_be_any_iterable_of_terms_or_one(terms: object) -> None:
     assert acc.options.terms[0] == Term("lm", "sum")
 
 
-@pytest.mark.parametrize("terms", ["lm", {"lm": "sum"}, [Term("lm", "sum"), "aux"], 3])
+@pytest.mark.parametrize(
+    "terms", ["lm", {"lm": "sum"}, [Term("lm", "sum"), "aux"], 3, {Term("lm", "sum")}]
+)
 def test_terms_that_are_not_terms_are_refused_by_name(terms: object) -> None:
     with pytest.raises(TypeError, match=r"is not a non-empty list of lossweight.Term"):
         Accumulator(terms=terms)  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from lossweight import Accumulator, DisagreementError, payload
+from lossweight import Accumulator, DisagreementError, _torch, payload
 from lossweight.errors import MESSAGES
 from lossweight.terms import Layout, Term
 from lossweight.testing import InProcessCollective, InProcessGroup
@@ -140,3 +140,63 @@ def test_the_step_after_a_refusal_is_exact_on_either_path(
     # The estimate of W the next step assumes is the option's, not the refused step's NaN:
     # D = 2 over W = 3, each rank's gradient (r + 1) * 2 / 3; their mean is 1.
     assert [grad for _, _, grad in outcomes] == [pytest.approx(2 / 3), pytest.approx(4 / 3)]
+
+
+def refused_then_retried(rank: int, collective: InProcessCollective) -> tuple[list[str], float]:
+    """The refused step of :func:`refused_then_recovered`, then a loop that, at an error from
+    any call, abandons the step, and tries the good step again: (the errors, its gradient)."""
+    acc = Accumulator(loss_reduction="sum", collective=collective)
+    x = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    elsewhere = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    acc.begin(parameters=[elsewhere] if rank == 0 else [x])
+    acc.scale_loss(x * 3.0, num_tokens=3).backward()
+    errors = []
+    try:
+        acc.end()
+    except (ValueError, RuntimeError) as error:
+        errors.append(str(error))
+        acc.abandon()
+    for _ in range(3):
+        x.grad = None
+        try:
+            acc.begin(parameters=[x])
+            acc.scale_loss(x * (rank + 1.0), num_tokens=rank + 1).backward()
+            acc.end()
+            break
+        except (ValueError, RuntimeError) as error:
+            errors.append(str(error))
+            acc.abandon()
+    assert x.grad is not None
+    try:
+        acc.flush()  # waits for the verdicts on their way: one still late raises here
+    except (ValueError, RuntimeError) as error:
+        errors.append(str(error))
+    return errors, x.grad.item()
+
+
+def test_the_step_after_a_refusal_is_exact_when_its_verdict_lands_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On an accelerator the host runs ahead: the next step may begin before the refused
+    # step's verdict has landed on a rank, and take its total, NaN, as its estimate; that rank
+    # raises at a later call. The estimate falls back to weight_estimate on the device, with
+    # the codes of a rank that knew, so the next good step is exact however late the verdict,
+    # and every rank raises the refusal once.
+    monkeypatch.setattr(payload, "CHECKED_ON_HOST", ())
+    ready = _torch.Verdict.ready
+    late = {"left": 2}  # the first two polls (one per rank) find the verdict on its way
+
+    def late_once(self: _torch.Verdict, wait: bool = False) -> bool:
+        if late["left"] > 0 and not wait:
+            late["left"] -= 1
+            return False
+        return ready(self, wait)
+
+    monkeypatch.setattr(_torch.Verdict, "ready", late_once)
+    outcomes = InProcessGroup(2).run(refused_then_retried)
+    assert late["left"] == 0
+    assert [len(errors) for errors, _ in outcomes] == [1, 1]
+    assert "none of the 1 parameters given to begin() has a gradient" in outcomes[0][0][0]
+    assert "1 of the 2 ranks of the reduction refused" in outcomes[1][0][0]
+    # D = 2 over W = 3, each rank's gradient (r + 1) * 2 / 3; their mean is 1.
+    assert [grad for _, grad in outcomes] == [pytest.approx(2 / 3), pytest.approx(4 / 3)]

@@ -217,3 +217,22 @@ def test_scale_after_steps_open_and_close_in_many_threads_at_once() -> None:
         sys.setswitchinterval(switch)
     # D = 16 (the mean of 16 ranks) over W = 48: each rank holds 16 / 48 * (1 + 2) = 1.
     assert grads == [pytest.approx(1.0, rel=1e-12)] * 16
+
+
+def test_empty_gradients_are_zero_gradients() -> None:
+    # A sparse gradient zeroed in place holds no values, and a parameter of no elements holds
+    # no gradient entries (an FSDP2 rank's empty shard, say): both are zero, not an error.
+    sparse = torch.nn.Embedding(4, 2, sparse=True, dtype=F64)
+    empty = torch.nn.Parameter(torch.zeros(0, dtype=F64))
+    acc = Accumulator(loss_reduction="sum")
+    for _ in range(2):  # the second begin() finds the gradients the first step left, zeroed
+        acc.begin(parameters=[*sparse.parameters(), empty])
+        loss = sparse(torch.tensor([1, 3])).sum() + empty.sum()
+        acc.scale_loss(loss, num_tokens=2).backward()
+        acc.end()
+        assert sparse.weight.grad is not None and empty.grad is not None
+        sparse.zero_grad(set_to_none=False)
+        empty.grad.zero_()
+    # A rank with no microbatch and those zeroed gradients ends its step as well.
+    acc.begin(parameters=[*sparse.parameters(), empty])
+    assert acc.end().num_tokens.item() == 0
