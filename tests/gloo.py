@@ -8,11 +8,12 @@ raised. ``function`` must be a module-level function and ``args`` picklable.
 
 Whatever the ranks do, the call returns or fails once they have made no progress for
 ``deadline`` seconds (no rank used CPU time: they sleep, or wait for each other), or after
-``CAP`` times that in all: a rank still running then has its Python stacks dumped
-(faulthandler) and is SIGKILLed, and the call raises an AssertionError naming the ranks that
-hung, with their stacks. A machine that is busy with other work slows the ranks down but does
-not stop their progress, so a healthy launch is not killed for it. A rank that dies without
-reporting (a signal, a crash at start-up) fails the call the same way, at once.
+``CAP`` times that and a minute in all, so that ranks spinning without end cannot hold CI: a
+rank still running then has its Python stacks dumped (faulthandler) and is SIGKILLed, and the
+call raises an AssertionError naming the ranks that hung, with their stacks. A machine that is
+busy with other work slows the ranks down but does not stop their progress, so a healthy launch
+is not killed for it. A rank that dies without reporting (a signal, a crash at start-up) fails
+the call the same way, at once.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ from typing import Any
 COLLECTIVE_TIMEOUT = 10.0
 # How long the ranks of a launch may go without progress (no rank using CPU time) before they
 # are killed: room for a collective timeout, which ends a rank's wait on its own. Launches pass
-# their own, sized to their work. CAP bounds a launch whose ranks spin without end.
+# their own, sized to their work. CAP bounds a launch whose ranks spin without end: a loaded
+# machine (a busy process per core) makes a launch about 1.5 times slower.
 DEADLINE = 45.0
-CAP = 20
+CAP = 5
 _POLL = 0.02
 _PROGRESS = 5  # clock ticks of CPU time (50 ms at the usual 100 a second)
 
@@ -144,8 +146,8 @@ def _wait(
     deadline: float,
 ) -> tuple[list[int], list[int]]:
     """Wait until every rank has exited, a rank has died without reporting, or the ranks have
-    made no progress for ``deadline`` seconds (or run ``CAP`` times that); then SIGKILL what
-    still runs. Returns (ranks that hung, ranks that crashed)."""
+    made no progress for ``deadline`` seconds (or run ``CAP`` times that and a minute); then
+    SIGKILL what still runs. Returns (ranks that hung, ranks that crashed)."""
 
     def crashed() -> list[int]:
         return [
@@ -158,7 +160,7 @@ def _wait(
     # Stop at a crash too: its peers would only wait for it until their collectives time out.
     while any(p.is_alive() for p in processes) and not crashed():
         now = time.monotonic()
-        if now - progressed > deadline or now - start > CAP * deadline:
+        if now - progressed > deadline or now - start > CAP * deadline + 60:
             break
         # Progress: the ranks at work used a few clock ticks more (a rank that waits, polling
         # or in a collective, uses hardly any).
