@@ -242,9 +242,9 @@ class Accumulator:
         if max_grad_norm is not None:
             _check_max_grad_norm(max_grad_norm, self._tensors, self._resolver.stages[0])
         step, tensors, collective = self.state.step, self._tensors, self._collective
-        state = machine.end(self.state, _traced(tensors))
+        state, refusal = machine.end(self.state, _traced(tensors))
         assert step is not None and tensors is not None and collective is not None
-        result = self._flight.end(step, tensors, collective)
+        result = self._flight.end(step, tensors, collective, refusal)
         self.state, self._tensors = state, None
         if isinstance(tensors, ScaleAfter):
             _scaling_after(tensors, False)
@@ -361,10 +361,17 @@ class _InFlight:
         return (step % 2**16, call, carried, *self.world[2], *estimate)
 
     def end(
-        self, step: machine.Step, tensors: CountFirst | ScaleAfter, collective: Collective
+        self,
+        step: machine.Step,
+        tensors: CountFirst | ScaleAfter,
+        collective: Collective,
+        refusal: Exception | None,
     ) -> StepResult:
         """What a step reports: scaling after, once its reduction has rescaled the gradients;
-        counting first, with its loss reduced now, or left to wait."""
+        counting first, with its loss reduced now, or left to wait. What a count-first
+        end() refuses (``refusal``) it raises here, the step left open; where the step's loss
+        reduction has peers to tell, it carries the refusal first (once, however often end()
+        is called), and they raise on their next use of it (``peer_refused``)."""
         if isinstance(tensors, ScaleAfter):
             self.settle()
             codes = self.codes(step.number, terms.SCALE_AFTER_END)
@@ -372,17 +379,23 @@ class _InFlight:
             self.add(reduction)
             self.estimate = reduction  # its W, unless its check fails (on an accelerator, later)
             return StepResult(step.number, reduction, reduction, [])
+        next_step = self.options.loss_logging == "next_step"
+        if refusal is not None and (collective.world_size == 1 or next_step):
+            raise refusal
         # A compiled step takes every microbatch through scale_loss(): its reads take none.
         unrecorded = step.unrecorded if step.factored and tensors.cursor is None else []
         loss_sum = tensors.loss_sum(known=not unrecorded)
         self.estimate = tensors.reduction
-        if self.options.loss_logging == "next_step":
+        if next_step:
             self.pending = PendingLoss(step.number, loss_sum, collective)
             return StepResult(step.number, tensors.reduction, self.pending, unrecorded)
-        self.settle()
-        codes = self.codes(step.number, terms.COUNT_FIRST_END)
-        reduction = self.reduce_loss(collective, codes, tensors.device, loss_sum)
-        return StepResult(step.number, tensors.reduction, reduction, unrecorded)
+        if tensors.closing is None:
+            self.settle()
+            codes = self.codes(step.number, terms.COUNT_FIRST_END)
+            tensors.closing = self.reduce_loss(collective, codes, tensors.device, loss_sum, refusal)
+        if refusal is not None:
+            raise refusal
+        return StepResult(step.number, tensors.reduction, tensors.closing, unrecorded)
 
     def drop(self, why: str) -> int | None:
         """Forget the loss that waits, which its result then explains with ``why``."""
@@ -407,12 +420,17 @@ class _InFlight:
         codes: tuple[int, ...],
         device: torch.device,
         own: torch.Tensor | None = None,
+        refusal: Exception | None = None,
     ) -> payload.Reduction:
-        """A reduction of loss sums alone: a count-first step's own, or the one that waits."""
+        """A reduction of loss sums alone: a count-first step's own, or the one that waits;
+        one that carries this rank's ``refusal`` is not checked here, where it was raised."""
         losses = {False: own, True: self.carried}
         flags = {name: (False, False) for name in COUNTS}
-        reduction = payload.Reduction(collective, self.layout, codes, device, {}, flags, losses)
-        self.add(reduction)
+        reduction = payload.Reduction(
+            collective, self.layout, codes, device, {}, flags, losses, refusal=refusal
+        )
+        if refusal is None:
+            self.add(reduction)
         return reduction
 
     def settle(self, verdicts: bool = False) -> None:

@@ -139,20 +139,22 @@ def record(state: State, microbatch: object) -> tuple[State, int]:
     return state._replace(step=step._replace(recorded=step.recorded | {index})), index
 
 
-def end(state: State, traced: bool) -> State:
+def end(state: State, traced: bool) -> tuple[State, Exception | None]:
+    """The state once the step is closed, and what its end() refuses: a declared microbatch
+    that no loss took, which the caller raises, or carries to every rank first."""
     step = open_step(state, "end")
     # A microbatch is taken by scale_loss(), or by backward_scale(i) in a loop that scales by
     # itself. Where scale_loss() took some, a factor read is no proof that its loss was
     # scaled: record_loss(i, loss) is.
     taken = set(range(step.scaled)) | (step.recorded if step.scaled else step.factored)
     missing = [i for i in range(step.declared) if i not in taken]
+    refusal = None
     if step.mode == COUNT_FIRST and step.loss and not traced and missing:
-        raise error(
-            "too_few", scaled=step.scaled, declared=step.declared, step=step.number, missing=missing
-        )
+        where = {"declared": step.declared, "step": step.number, "missing": missing}
+        refusal = error("too_few", scaled=step.scaled, **where)
     # A scale-after step's end() reduces its own loss and any that waited.
     waits = step.mode == COUNT_FIRST and state.loss_logging == "next_step"
-    return state._replace(step=None, pending=waits)
+    return state._replace(step=None, pending=waits), refusal
 
 
 def abandon(state: State) -> State:

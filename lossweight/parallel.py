@@ -10,6 +10,7 @@ Accumulator is given a mesh: a vendorer of plain data parallelism leaves it out
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -18,14 +19,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .errors import device_message, error
+from .errors import error
 
 if TYPE_CHECKING:
     from .terms import Layout
 
-# Mesh dimensions whose ranks hold the same data: tensor, expert-tensor and pipeline parallel.
-_TENSOR_PARALLEL = {"tp", "etp"}
-_MODEL_PARALLEL = {*_TENSOR_PARALLEL, "pp"}
+# Names of mesh dimensions whose ranks hold the same data: tensor, expert-tensor and pipeline
+# parallel. Refused in group=, where every dimension must hold different data; outside it, a
+# dimension is checked by its data, whatever its name.
+_MODEL_PARALLEL = {"tp", "etp", "pp"}
 
 
 class MeshGroup:
@@ -33,9 +35,12 @@ class MeshGroup:
 
     ``stages``: how many pipeline stages the ranks are split into (along ``pipeline``), and
     whether this rank holds the last, which computes the loss. ``peers``: the dimensions of the
-    root mesh along which ranks hold the same data (tensor parallel) and which the reduction
-    spans too: each group of peers is fingerprinted (``extend``), and only its first rank's
-    counts and losses are added up. The ``group()`` is made when a step begins."""
+    root mesh that ``mesh`` does not span, found from the ranks it holds, not from names: their
+    ranks must hold the same data (tensor parallel), so the reduction spans them too, and each
+    group of ranks along each of them is fingerprinted (``extend``) and checked to give the
+    same counts; only the ranks last along every one of them add up counts and losses (the
+    last of pipeline stages left out of group= computes the loss). The ``group()`` is made
+    when a step begins."""
 
     def __init__(self, mesh: DeviceMesh, pipeline: str | None) -> None:
         names = mesh.mesh_dim_names or ()
@@ -50,29 +55,28 @@ class MeshGroup:
         if pipeline is not None:
             size = mesh.size(dim := names.index(pipeline))
             self.stages = (size, mesh.get_local_rank(dim) == size - 1)
-        # The root's tensor-parallel dimensions that mesh's ranks are not spread over; none
-        # where torch has no DeviceMesh._concatenate to join them to mesh's.
-        root = mesh._get_root_mesh() if hasattr(DeviceMesh, "_concatenate") else mesh
-        tensor_parallel = [
-            name
-            for index, name in enumerate(root.mesh_dim_names or ())
-            if set(name.split("_")) & _TENSOR_PARALLEL and root.size(index) > 1
-        ]
-        self.peers = tuple(name for name in tensor_parallel if name not in names)
-        # Each group of peers: its size, how many groups, this rank's, and whether it is first.
-        self._size, self._groups, self._index, self._first = 1, 1, 0, True
-        if self.peers:
-            self._size, self._groups = root[self.peers].size(), mesh.size()
-            for size, place in zip(mesh.shape, mesh.get_coordinate() or (), strict=True):
-                self._index = self._index * size + place
-            self._first = all(root.get_local_rank(name) == 0 for name in self.peers)
+        self._root = root = mesh._get_root_mesh()
+        # Along each dimension of the root, the ranks that differ from this one there alone
+        # (a column of the root's ranks with that dimension first): the dimension is outside
+        # the group when mesh holds none of them.
+        held, rank = set(mesh.mesh.flatten().tolist()), root.get_rank()
+        names = root.mesh_dim_names or tuple(map(str, range(root.ndim)))
+        peers, self._groups, self._last = [], [], True  # groups: (size, how many, this one)
+        for dim, name in enumerate(names):
+            grid = root.mesh.movedim(dim, 0).reshape(root.size(dim), -1)
+            index = int((grid == rank).nonzero()[0, 1])
+            along = set(grid[:, index].tolist()) - {rank}
+            if along and not along & held:
+                peers.append(name)
+                self._groups.append((grid.shape[0], grid.shape[1], index))
+                self._last = self._last and int(grid[-1, index]) == rank
+        self.peers = tuple(peers)
+        self._size = math.prod(size for size, _, _ in self._groups)
 
     def group(self) -> dist.ProcessGroup:
         """The process group over the mesh's ranks and its peers' (``DeviceMesh._flatten``,
         cached by torch; made on every rank of the root mesh at once, as ``begin()`` is)."""
-        mesh = self.mesh
-        if self.peers:
-            mesh = DeviceMesh._concatenate([mesh, mesh._get_root_mesh()[self.peers]])
+        mesh = self._root if self.peers else self.mesh
         return mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
 
     def replicas(self, world_size: int) -> int:
@@ -109,21 +113,35 @@ class MeshGroup:
             start = end
         rows.append(numbers[start:])
         fingerprint = fingerprint_of(torch.cat(rows))
-        slots = payload.new_zeros(2, self._groups)
-        slots[:, self._index] = torch.stack((fingerprint, fingerprint * fingerprint))
-        if not self._first:
+        pair, blocks = torch.stack((fingerprint, fingerprint * fingerprint)), [payload]
+        for _, groups, index in self._groups:
+            block = payload.new_zeros(2, groups)
+            block[:, index] = pair
+            blocks.append(block.view(-1))
+        if not self._last:
             payload[layout.counts.start :] = 0
-        return torch.cat((payload, slots.view(-1)))
+        return torch.cat(blocks)
 
-    def verdict(self, summed: torch.Tensor) -> torch.Tensor:
-        """Whether every group's peers sent the same fingerprint, from ``extend()``'s slots
-        summed (a 0-dim bool, computed exactly in int64)."""
-        sums, squares = summed.view(2, -1).to(torch.int64)
-        agree: torch.Tensor = (self._size * squares == sums * sums).all()
-        return agree
+    def agreement(self, summed: torch.Tensor) -> torch.Tensor:
+        """Along each dimension of ``peers``, whether every group of its ranks sent the same
+        fingerprint, from ``extend()``'s slots summed (bool, computed exactly in int64)."""
+        agree, start = [], 0
+        for size, groups, _ in self._groups:
+            sums, squares = summed[start : start + 2 * groups].view(2, -1).to(torch.int64)
+            agree.append((size * squares == sums * sums).all())
+            start += 2 * groups
+        return torch.stack(agree)
 
-    def message(self) -> str:
-        return device_message("peers_differ", dimensions=self.peers)
+    def messages(self) -> list[str]:
+        """The words of each dimension's check where they must be fixed (a compiled assert)."""
+        return [str(self.refusal([n != name for n in self.peers])) for name in self.peers]
+
+    def refusal(self, agree: Sequence[bool]) -> Exception:
+        """The error of the peers along the dimensions that ``agree`` (one bool each) fails."""
+        differing = tuple(name for name, same in zip(self.peers, agree, strict=True) if not same)
+        names = self._root.mesh_dim_names or ()
+        spanned = [name for name in names if name not in self.peers or name in differing]
+        return error("peers_differ", dimensions=differing, suggested=spanned)
 
 
 # A fingerprint of a rank's counts (their float64 bits, in 16-bit pieces, each times a weight

@@ -167,12 +167,12 @@ class Reduction:
         centre, radius = self._bounds
         checked = (self._payload[: self.layout.checked] - centre).abs() <= radius
         if (mesh := self._peers) is not None:
-            checked = torch.cat((checked, mesh.verdict(self._payload[self.layout.length :])[None]))
+            checked = torch.cat((checked, mesh.agreement(self._payload[self.layout.length :])))
         if torch.compiler.is_compiling() and not _torch.GRAPH_ASSERTS:
             message = device_message("graph_asserts", version=torch.__version__)
             _torch.untraced(message, lambda: self._check_on_host(checked))
         elif torch.compiler.is_compiling():
-            messages = (*_ASSERT_MESSAGES, *([] if mesh is None else [mesh.message()]))
+            messages = (*_ASSERT_MESSAGES, *([] if mesh is None else mesh.messages()))
             for index, passed in enumerate(checked):
                 _torch.assert_true(passed, messages[index])
         elif self.device.type in CHECKED_ON_HOST:
@@ -215,7 +215,7 @@ class Reduction:
             self._error = error("total_too_large", name=" and ".join(names))
         else:  # only the last check failed: the mesh's peers'
             assert self._peers is not None
-            self._error = error("peers_differ", dimensions=self._peers.peers)
+            self._error = self._peers.refusal(passed[len(passed) - len(self._peers.peers) :])
         raise self._error from None
 
 

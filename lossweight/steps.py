@@ -52,6 +52,7 @@ class CountFirst:
         self.reduction = Reduction(
             collective, layout, codes, device, totals, flags, losses, True, counts
         )
+        self.closing: Reduction | None = None  # end()'s reduction of the loss, once made
         # Each term's weight per microbatch (a constant's term: 1), and where all are numbers,
         # whether each microbatch's are positive, known on the host at no cost.
         rows: list[Any] = [counts[t.count] if t.count else [1] * size for t in self._terms]

@@ -57,6 +57,10 @@ PIPELINES = ("pp x dp, GPipe", "pp x dp, 1F1B", "pp x dp, GPipe dividing")
 # Built wrong on purpose, to show that the data tell right from wrong: the schedule divides the
 # gradients by the number of microbatches, and the Accumulator is not told.
 UNANNOUNCED = "pp x dp, GPipe dividing unannounced"
+# Stages the Accumulator is not told of (no pipeline=): over the default group, and over a
+# mesh whose stage dimension has another name. Their shapes are given, since torch's shape
+# inference would call scale_loss() outside any step.
+UNDECLARED = ("pp x dp, GPipe, default group", "pp x dp, GPipe, stage dimension")
 LAYOUTS = ("dp x cp", "dp x cp, sequence mean", "hsdp", "hsdp, summed", "dp x tp", *PIPELINES)
 MODES = ("count-first", "scale-after")
 
@@ -190,6 +194,12 @@ def run(rank: int, world_size: int) -> dict:
                 "lossweight_collectives": COLLECTIVES.get(f"{layout}/{mode}"),
                 "samples": SAMPLES.get(f"{layout}/{mode}"),
             }
+    for layout in UNDECLARED:  # every rank raises: at end(), or reading the loss
+        for mode in MODES:
+            try:
+                _pipeline_step(layout, mode, copy.deepcopy(base))
+            except RuntimeError as refused:
+                outcome[f"{layout}/{mode}"] = str(refused)
     stages = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     acc = lossweight.Accumulator(loss_reduction="sum", group=stages, pipeline="pp")
     acc.begin(num_tokens=[3])
@@ -206,6 +216,7 @@ def run(rank: int, world_size: int) -> dict:
         outcome["pipeline_clip"] = str(refused)
     acc.abandon()
     outcome.update(_tensor_parallel_steps())
+    outcome.update(_dimensions_outside_the_group())
     for name, mesh in {
         "tp_refused": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
         "pp_refused": stages,
@@ -247,6 +258,59 @@ def _given_as(case: str, counts: list[int], tp: int) -> Any:
 TP_AGREE = {(0, 0): [3, 5], (0, 1): [3, 5], (1, 0): [0, 4], (1, 1): [0, 4]}
 
 
+def _one_step(
+    acc: lossweight.Accumulator, parameter: torch.nn.Parameter, counts: Any, mode: str
+) -> lossweight.StepResult:
+    """A step whose microbatches' summed losses are 2 per token, of one parameter."""
+    parameter.grad = None
+    if mode == "count-first":
+        acc.begin(num_tokens=counts)
+    else:
+        acc.begin(parameters=[parameter])
+    for i, count in enumerate(counts):
+        given = {} if mode == "count-first" else {"num_tokens": count}
+        acc.scale_loss(parameter * 2 * count + i * 0, **given).backward()
+    return acc.end()
+
+
+# Dimensions that group= leaves out, checked by what their ranks count, whatever their names:
+# (the mesh's dimensions, those of group=, this rank's count by its place on the mesh).
+OUTSIDE = {
+    "cp left out": (("dp", "cp"), ("dp",), lambda dp, cp: 3 + 2 * cp),  # each its own half
+    "hsdp replicate alone": (("replicate", "shard"), ("replicate",), lambda r, s: 3 + s),
+    "tp under another name, own shard": (("dp", "model"), ("dp",), lambda dp, m: 4 + m),
+    "tp under another name, whole batch": (("dp", "model"), ("dp",), lambda dp, m: 4 + dp),
+    "pp left out, zeros before the last": (("pp", "dp"), ("dp",), lambda pp, dp: 4 * pp),
+    "flattened": (("dp", "cp"), ("dp", "cp"), lambda dp, cp: 3 + 2 * cp),
+    "whole world under tp": (("dp", "tp"), (), lambda dp, tp: 4 + dp),
+}
+
+
+def _dimensions_outside_the_group() -> dict[str, Any]:
+    """Each case of OUTSIDE in both modes: what the step reports, or the error every rank
+    raises; and for the whole world under tp (the default group), the gradient that a DDP-style
+    mean over the dp ranks makes of the ranks' scaled gradients."""
+    parameter = torch.nn.Parameter(torch.ones((), dtype=torch.float64))
+    outcome: dict[str, Any] = {}
+    for case, (names, spanned, count) in OUTSIDE.items():
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+        place = [mesh[name].get_local_rank() for name in names]
+        group: Any = None if not spanned else mesh[spanned]
+        group = group._flatten() if case == "flattened" else group
+        for mode in MODES:
+            acc = lossweight.Accumulator(loss_reduction="sum", group=group)
+            try:
+                result = _one_step(acc, parameter, [count(*place)], mode)
+                seen = {"tokens": result.num_tokens.item(), "loss": result.loss.item()}
+                gradient = parameter.grad.detach().clone()
+                dist.all_reduce(gradient, group=mesh[names[0]].get_group())
+                outcome[f"outside/{case}/{mode}"] = {**seen, "gradient": gradient.item() / 2}
+            except lossweight.DisagreementError as refused:
+                outcome[f"outside/{case}/{mode}"] = str(refused)
+            acc.abandon()
+    return outcome
+
+
 def _tensor_parallel_steps() -> dict[str, Any]:
     """What each mode raises when the tp ranks of a dp rank give different counts, and a run
     of two steps whose ranks agree, its loss carried to the next step and to flush()."""
@@ -256,15 +320,7 @@ def _tensor_parallel_steps() -> dict[str, Any]:
     outcome: dict[str, Any] = {}
 
     def one_step(acc: lossweight.Accumulator, counts: Any, mode: str) -> Any:
-        parameter.grad = None
-        if mode == "count-first":
-            acc.begin(num_tokens=counts)
-        else:
-            acc.begin(parameters=[parameter])
-        for i, count in enumerate(counts):  # each microbatch's summed loss: 2 per token
-            given = {} if mode == "count-first" else {"num_tokens": count}
-            acc.scale_loss(parameter * 2 * count + i * 0, **given).backward()
-        return acc.end()
+        return _one_step(acc, parameter, counts, mode)
 
     for case, counts in TP_COUNTS_DIFFER.items():
         for mode in MODES:
@@ -359,7 +415,7 @@ def _layout_step(
         terms = [lossweight.Term("loss", "sum", "weight_sum")]
         acc = lossweight.Accumulator(terms=terms, group=mesh["dp", "cp"])
         return step(wrapped, acc, pieces, mode, sync, sequence_mean), wrapped.module
-    if layout in (*PIPELINES, UNANNOUNCED):
+    if layout in (*PIPELINES, UNANNOUNCED, *UNDECLARED):
         return _pipeline_step(layout, mode, model)
     if layout.startswith("hsdp"):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -420,8 +476,10 @@ class Stage(torch.nn.Module):
 def _pipeline_step(
     layout: str, mode: str, model: TokenModel
 ) -> tuple[lossweight.StepResult, torch.nn.Module]:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    undeclared = layout in UNDECLARED
+    names = ("stage", "dp") if layout.endswith("stage dimension") else ("pp", "dp")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+    pp, dp = mesh[names[0]].get_local_rank(), mesh["dp"].get_local_rank()
     tokens, labels = _unpack(DATA["pp x dp"][dp][0])
     stage_module: torch.nn.Module = Stage(model, first=pp == 0)
     if layout.endswith("1F1B"):
@@ -429,17 +487,19 @@ def _pipeline_step(
     else:
         stage_module = DistributedDataParallel(stage_module, process_group=mesh["dp"].get_group())
     shapes: dict[str, Any] = {}
-    if layout.endswith("1F1B"):  # one microbatch's input and output
+    if layout.endswith("1F1B") or undeclared:  # one microbatch's input and output
         hidden = torch.zeros(2, LENGTH, 2 * WIDTH, dtype=torch.float64, requires_grad=True)
         logits = torch.zeros(2, LENGTH, VOCABULARY, dtype=torch.float64)
         shapes = {"input_args": tokens[:2] if pp == 0 else hidden}
         shapes["output_args"] = hidden if pp == 0 else logits
-    group = mesh["pp"].get_group()
+    group = mesh[names[0]].get_group()
     stage = PipelineStage(stage_module, pp, 2, torch.device("cpu"), group=group, **shapes)
     dividing = "dividing" in layout
     acc = lossweight.Accumulator(
         loss_reduction="sum", group=mesh, pipeline="pp",
         framework_divides_loss_by=2 if layout.endswith("dividing") else 1,
+    ) if not undeclared else lossweight.Accumulator(
+        loss_reduction="sum", group=None if layout.endswith("default group") else mesh
     )  # fmt: skip
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

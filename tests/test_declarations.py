@@ -128,3 +128,20 @@ def test_record_loss_s_errors_name_record_loss() -> None:
         acc.record_loss(0, x)
     with pytest.raises(TypeError, match=r"^record_loss\(\) got loss="):
         acc.record_loss(0, {"lm": 1.0, "aux": x})
+
+
+def test_numpy_integers_count_and_numpy_arrays_are_refused_by_name() -> None:
+    acc = Accumulator(loss_reduction="sum")
+    x = torch.ones((), dtype=F64, requires_grad=True)
+    acc.begin(num_tokens=[np.int64(3), np.int32(1)])
+    for _ in range(2):
+        acc.scale_loss(x * 2).backward()
+    assert acc.end().num_tokens.item() == 4
+    x.grad = None
+    acc.begin(parameters=[x])
+    acc.scale_loss(x * 2, num_tokens=np.int16(4)).backward()
+    assert acc.end().num_tokens.item() == 4
+    with pytest.raises(TypeError, match=r"^num_tokens=array\(\[3, 1\]\) is not a sequence of"):
+        acc.begin(num_tokens=np.array([3, 1]))
+    with pytest.raises(TypeError, match=r"as a 1-D integer tensor or a list of ints$"):
+        acc.begin(num_tokens=np.array([3, 1]))

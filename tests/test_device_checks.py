@@ -200,3 +200,83 @@ def test_the_step_after_a_refusal_is_exact_when_its_verdict_lands_late(
     assert "1 of the 2 ranks of the reduction refused" in outcomes[1][0][0]
     # D = 2 over W = 3, each rank's gradient (r + 1) * 2 / 3; their mean is 1.
     assert [grad for _, grad in outcomes] == [pytest.approx(2 / 3), pytest.approx(4 / 3)]
+
+
+def ended_too_early(rank: int, collective: InProcessCollective, logging: str) -> dict:
+    """Rank 1 ends a count-first step after one of its two microbatches; then both ranks go on
+    (rank 1 abandons its step, as the error says) to a step that is whole."""
+    acc = Accumulator(loss_reduction="sum", collective=collective, loss_logging=logging)
+    x = torch.ones((), dtype=torch.float64, requires_grad=True)
+    seen: dict = {}
+    acc.begin(num_tokens=[2, 3])
+    for microbatch in range(2 - rank):
+        acc.scale_loss(x * (2.0 + microbatch)).backward()
+    try:
+        result = acc.end()
+        seen["end"] = "returned"
+        seen["loss"] = result.loss.item()
+    except RuntimeError as refused:
+        seen.setdefault("end", str(refused))
+        seen["loss"] = str(refused)
+        if rank == 1:
+            with pytest.raises(RuntimeError) as again:  # reduced once, refused again
+                acc.end()
+            seen["again"] = str(again.value)
+    acc.abandon()
+    x.grad = None
+    try:
+        acc.begin(num_tokens=[1])
+    except RuntimeError as refused:  # on an accelerator, once the verdict has landed
+        seen["begin"] = str(refused)
+        acc.begin(num_tokens=[1])
+    acc.scale_loss(x * (rank + 1.0)).backward()
+    seen["next"] = acc.end().loss.item()
+    acc.flush()
+    return seen
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_a_rank_that_ends_too_early_refuses_the_step_on_every_rank(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if path == "device":
+        monkeypatch.setattr(payload, "CHECKED_ON_HOST", ())  # the CPU as an accelerator
+    told, early = InProcessGroup(2).run(lambda rank, c: ended_too_early(rank, c, "end"))
+    assert early["end"].startswith("end() was called after 1 of the 2 microbatches")
+    assert early["again"] == early["end"] and "begin" not in early  # raised once
+    # The rank that ended in time learns it when it reads the step's loss; on an accelerator,
+    # whose check is not read at once, the loss is NaN and the next call raises.
+    assert told["end"] == "returned"
+    refused = "1 of the 2 ranks of the reduction refused to end this step"
+    if path == "host":
+        assert refused in told["loss"] and "begin" not in told
+    else:
+        assert math.isnan(told["loss"]) and refused in told["begin"]
+    assert early["next"] == told["next"] == 1.5  # (1 + 2) / 2 tokens: the next step is whole
+
+
+def test_a_rank_that_ends_too_early_without_an_end_reduction_raises_alone() -> None:
+    # loss_logging="next_step": end() reduces nothing, so the rank raises alone, and the next
+    # begin() finds one rank carrying a loss that the other abandoned: refused on every rank.
+    def rank_steps(rank: int, collective: InProcessCollective) -> tuple[str, str]:
+        acc = Accumulator(loss_reduction="sum", collective=collective, loss_logging="next_step")
+        x = torch.ones((), dtype=torch.float64, requires_grad=True)
+        acc.begin(num_tokens=[2, 3])
+        for microbatch in range(2 - rank):
+            acc.scale_loss(x * (2.0 + microbatch)).backward()
+        ended = "returned"
+        try:
+            acc.end()
+        except RuntimeError as refused:
+            ended = str(refused)
+            acc.abandon()
+        with pytest.raises(DisagreementError) as next_step:
+            acc.begin(num_tokens=[1])
+            acc.scale_loss(x * 1.0)  # the first use of the step's totals checks them
+        return ended, str(next_step.value)
+
+    told, early = InProcessGroup(2).run(rank_steps)
+    assert early[0].startswith("end() was called after 1 of the 2 microbatches")
+    assert told[0] == "returned"
+    for rank in (told, early):
+        assert "a rank abandoned a step that another ended" in rank[1]

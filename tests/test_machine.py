@@ -37,7 +37,7 @@ def test_the_pure_modules_import_without_torch() -> None:
         "m = load_pure()['machine']\n"
         "s = m.begin(m.State(), count_first=True, declared=1)\n"
         "s, index = m.scale(s, (False, False), traced=False)\n"
-        "assert index == 0 and m.end(s, traced=False).step is None\n"
+        "assert index == 0 and m.end(s, traced=False)[0].step is None\n"
         "assert not any(name.startswith('torch') for name in sys.modules if sys.modules[name])\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -192,15 +192,18 @@ class MachineModel(RuleBasedStateMachine):
 
     @rule()
     def end(self) -> None:
-        step = self.step
-        error = self.closed_error()
+        # end() closes the step and returns what it refuses (a declared microbatch that no
+        # loss took), which the Accumulator carries to every rank or raises.
+        step, refused = self.step, None
         if step is not None and step.count_first and step.loss and not step.traced:
             taken = set(range(step.scaled)) | (step.recorded if step.scaled else step.factored)
-            error = "too_few" if not taken >= set(range(step.declared)) else None
-        state = self.apply(error, lambda: machine.end(self.state, step is not None and step.traced))
-        if error is None:
-            assert step is not None
-            self.state, self.step = state, None
+            refused = "too_few" if not taken >= set(range(step.declared)) else None
+        traced = step is not None and step.traced
+        outcome = self.apply(self.closed_error(), lambda: machine.end(self.state, traced))
+        if step is not None:
+            self.state, refusal = outcome  # type: ignore[misc]
+            assert (refusal is None) if refused is None else matches(refused, refusal)
+            self.step = None
             self.pending = step.count_first and self.logging == "next_step"
 
     @rule()

@@ -53,7 +53,7 @@ def test_tensor_parallel_ranks_giving_different_counts_is_an_error_on_every_rank
     # checks that the two ranks of each tp group gave the same counts, group by group.
     for rank in runs:
         raised = rank[f"tp_differ/{case}/{mode}"]
-        assert "ranks of one tensor-parallel group (along the mesh dimensions ('tp',)" in raised
+        assert "ranks that differ only along the mesh dimensions ('tp',)" in raised
         assert "gave different counts" in raised
 
 
@@ -85,7 +85,90 @@ def test_tensor_parallel_ranks_of_a_pipeline_stage_are_checked_and_counted_once(
     # stage's 2 tp ranks give 4 tokens each (counted once), or 4 and 5.
     for rank in runs:
         assert rank[f"pp_tp/agree/{mode}"] == {"tokens": 4, "loss": 2.0}
-        assert "ranks of one tensor-parallel group" in rank[f"pp_tp/differ/{mode}"]
+        assert "differ only along the mesh dimensions ('tp',)" in rank[f"pp_tp/differ/{mode}"]
+
+
+# What every rank raises where group= leaves out a dimension whose ranks hold different data,
+# whatever its name: the dimension named, and the group that counts over it.
+LEFT_OUT = {
+    "cp left out": ("('cp',)", "group=mesh['dp', 'cp']"),
+    "hsdp replicate alone": ("('shard',)", "group=mesh['replicate', 'shard']"),
+    "tp under another name, own shard": ("('model',)", "not of its own shard"),
+    "pp left out, zeros before the last": ("('pp',)", "pipeline='pp'"),
+}
+
+
+@pytest.mark.parametrize("mode", mesh_worker.MODES)
+@pytest.mark.parametrize("case", LEFT_OUT)
+def test_a_dimension_left_out_of_the_group_is_checked_by_its_data(
+    runs: list[dict], case: str, mode: str
+) -> None:
+    dimension, fix = LEFT_OUT[case]
+    for rank in runs:
+        raised = rank[f"outside/{case}/{mode}"]
+        assert f"differ only along the mesh dimensions {dimension}" in raised
+        assert "which group= does not span, gave different counts" in raised
+        assert fix in raised
+
+
+@pytest.mark.parametrize("mode", mesh_worker.MODES)
+def test_a_tensor_parallel_dimension_of_any_name_counts_once(runs: list[dict], mode: str) -> None:
+    # (dp, model) with group=mesh["dp"]: the "model" ranks of each dp rank give 4 and 5 tokens
+    # of the whole batch; counted once (9, not 18), D = 2, a DDP-style mean over dp exact.
+    for rank in runs:
+        seen = rank[f"outside/tp under another name, whole batch/{mode}"]
+        assert seen == {"tokens": 9, "loss": 2.0, "gradient": 2.0}
+
+
+@pytest.mark.parametrize("mode", mesh_worker.MODES)
+def test_a_flattened_group_spans_the_dimensions_it_was_made_of(runs: list[dict], mode: str) -> None:
+    # group=mesh["dp", "cp"]._flatten(): its one dimension "dp_cp" spans dp and cp, found from
+    # its ranks; the four ranks' 3, 5, 3 and 5 tokens are all counted.
+    for rank in runs:
+        assert rank[f"outside/flattened/{mode}"]["tokens"] == 16
+
+
+@pytest.mark.parametrize("mode", mesh_worker.MODES)
+def test_counting_over_ranks_that_hold_the_same_data_multiplies_the_count(
+    runs: list[dict], mode: str
+) -> None:
+    # The default group of a (dp, tp) world: the tp ranks of each dp rank count the same 4 and
+    # 5 tokens, so the reported count is twice the batch's (docs/distributed.md); the loss, and
+    # the gradient of a wrapper that divides by the dp ranks, are the full batch's.
+    for rank in runs:
+        assert rank[f"outside/whole world under tp/{mode}"] == {
+            "tokens": 18,
+            "loss": 2.0,
+            "gradient": 2.0,
+        }
+
+
+@pytest.mark.parametrize("layout", mesh_worker.UNDECLARED)
+def test_pipeline_stages_the_accumulator_is_not_told_of_are_refused_on_every_rank(
+    runs: list[dict], layout: str
+) -> None:
+    # GPipe over 2 stages x 2 dp ranks without pipeline=: the earlier stages compute no loss.
+    # Counting first, they refuse in end() (as a microbatch no loss took), and the step's loss
+    # reduction carries it to the last stages, whose loss read raises; scaling after, their
+    # backward reached gradients without scale_loss(), which end() refuses on every rank.
+    hint = "tell the Accumulator of the pipeline: group=mesh['pp', 'dp'], pipeline='pp'"
+    earlier = [
+        rank[f"{layout}/count-first"]
+        for rank in runs
+        if "end() was called after 0 of" in rank[f"{layout}/count-first"]
+    ]
+    assert len(earlier) == 2 and all(hint in raised for raised in earlier)
+    told = [
+        rank[f"{layout}/count-first"]
+        for rank in runs
+        if rank[f"{layout}/count-first"] not in earlier
+    ]
+    assert len(told) == 2
+    assert all("2 of the 4 ranks of the reduction refused to end this step" in t for t in told)
+    for rank in runs:
+        raised = rank[f"{layout}/scale-after"]
+        assert "found nonzero gradients that no scale_loss() produced" in raised
+        assert hint in raised
 
 
 def test_a_mesh_of_unnamed_dimensions_is_refused(runs: list[dict]) -> None:
