@@ -494,14 +494,16 @@ def _host_count(name: str, value: object) -> int | float:
 
 
 def _tensor_counts(name: str, counts: torch.Tensor, dim: int) -> torch.Tensor:
-    """An int64 (float64 for a weight sum) copy on the counts' device, checked there without
-    a host read (on the CPU a bad count raises at once; on an accelerator at the next sync)."""
+    """An int64 copy on the counts' device (for a weight sum, a float one, at the precision
+    it was given in, which its check against begin()'s fits), checked there without a host
+    read (on the CPU a bad count raises at once; on an accelerator at the next sync)."""
     if counts.dim() != dim:
         raise error("count_shape", name=name, shape=tuple(counts.shape), rule=_SHAPES[dim])
     if name.startswith("weight_sum"):
         if counts.is_complex() or counts.dtype == torch.bool:
             raise error("not_a_weight", name=name, value=counts)
-        weights = counts.detach().to(torch.float64, copy=True)
+        precision = counts.dtype if counts.is_floating_point() else torch.float64
+        weights = counts.detach().to(precision, copy=True)
         valid = (weights >= 0) & weights.isfinite()
         flag = valid if valid.dim() == 0 else valid.all()
         _torch.assert_true(flag, device_message("weight_range", name=name))
@@ -532,12 +534,13 @@ def _counts(count: str, value: object, dim: int) -> Any:
     tensors = []
     for index, item in enumerate(value):
         if not isinstance(item, torch.Tensor):
-            item = torch.tensor(_host_count(f"{name}[{index}]", item))
+            weight = None if count in terms.INTEGER else torch.float64  # as the host holds it
+            item = torch.tensor(_host_count(f"{name}[{index}]", item), dtype=weight)
         elif item.dim() != 0 or (count in terms.INTEGER and item.dtype not in _COUNT_DTYPES):
             _tensor_counts(f"{name}[{index}]", item, 0)  # raises what is wrong
         tensors.append(item)
     device = accelerator_of(f"the tensors in {name}", (t.device for t in tensors))
-    dtype = torch.int64 if count in terms.INTEGER else torch.float64
+    dtype = torch.int64 if count in terms.INTEGER else None  # weights: their precision
     stacked = torch.stack([t.to(device, dtype, non_blocking=True) for t in tensors])
     return _tensor_counts(name, stacked, 1)
 

@@ -154,12 +154,16 @@ def aggregate(
       constant ``max_length``, averaged over ``S`` (Dr. GRPO's ``sum / (S * max_length)``).
 
     The three ``seq-mean`` modes count sequences: ``weight_by="samples"``,
-    ``loss_reduction="sum"``. A sequence never spans microbatches, so each is exact for any
-    split. The sum is float32 at least; nothing is read back to the host.
+    ``loss_reduction="sum"``. Each is exact for any split that keeps a sequence in one
+    microbatch; with ``position_ids``, a row that begins inside a sequence (a counted token
+    before any position id of 0) is refused, since that sequence would count once per piece.
+    A sequence split over microbatches on purpose is a case of the ``positions`` below. The
+    sum is float32 at least; nothing is read back to the host.
 
-    Context parallelism, where each rank holds some positions of every sequence: pass the whole
-    ``mask`` (and ``position_ids``) and the ``positions`` this rank's ``token_losses`` are of
-    (a slice, or a 1-D tensor of indices of the last dimension). A sequence's mean is then over
+    Context parallelism, where each rank (or microbatch) holds some positions of every
+    sequence: pass the whole ``mask`` (and ``position_ids``) and the ``positions`` this rank's
+    ``token_losses`` are of (a slice, or a 1-D tensor of indices of the last dimension). A
+    sequence's mean is then over
     all its tokens; summed over the ranks, the numerators are the unsharded ones, and so are
     the counts: tokens, or, for the ``seq-mean`` modes, each sequence's share held here (its
     tokens here over all its tokens), a float64 to give as ``weight_sum`` (a Term weighted by
@@ -202,6 +206,16 @@ def aggregate(
     targets = mask != 0
     starts = _sequence_starts(targets, position_ids, cu_seqlens, name="mask")
     sequence_mode = mode != "token-mean"
+    if sequence_mode and position_ids is not None:
+        # A counted token before any start continues a sequence begun in another microbatch
+        # (or row), whose mean would be counted once per piece.
+        _torch.assert_true(
+            ((starts.cumsum(dim=-1) > 0) | ~targets).all(),
+            "a row of mask begins inside a sequence (its first counted tokens come before any "
+            "position_ids of 0): a per-sequence mean would count that sequence once per piece; "
+            "keep each sequence in one microbatch, or pass the whole sequence's mask and "
+            "position_ids with the positions= this piece holds, which counts its share",
+        )
     shared = sequence_mode and positions is not None
     sizes, first = _sequences(targets, starts, sizes=mode == "seq-mean-token-mean" or shared)
     losses = token_losses.to(torch.promote_types(token_losses.dtype, torch.float32))

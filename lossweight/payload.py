@@ -33,7 +33,7 @@ CHECKED_ON_HOST = ("cpu",)  # device types whose checks read their verdict at on
 
 class Reduction:
     """One all-reduce of this rank's payload, made on ``device`` from each count's total (an
-    int or a float, an int64 or float64 tensor of the numbers to sum, or None for 0), whether
+    int or a float, an int64 or float tensor of the numbers to sum, or None for 0), whether
     this rank gave and lacked each count (all of them), and the terms' loss sums, this step's
     and an earlier one's (a 1-D tensor each, or None): started when made, waited on and
     checked when first used. ``traceable``: the result is always used, maybe in a graph
@@ -68,7 +68,8 @@ class Reduction:
         if isinstance(unscaled, torch.Tensor):
             payload[layout.unscaled].copy_(unscaled)
         for name, count in counts.items():
-            if isinstance(count, torch.Tensor):  # int64, or float64 for a weight sum
+            if isinstance(count, torch.Tensor):  # int64, or a weight sum, summed in float64
+                count = count.double() if count.is_floating_point() else count
                 high = count.floor_divide(LIMB) if count.is_floating_point() else count >> 31
                 summed = torch.stack((high, count - high * LIMB)).reshape(2, -1).sum(1)
                 payload[layout.high[name] : layout.low[name] + 1 : len(COUNTS)] = summed

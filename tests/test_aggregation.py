@@ -203,6 +203,31 @@ def test_packed_rows_are_their_sequences() -> None:
     assert (flat[0].item(), flat[1].item()) == (total.item(), 3)
 
 
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum"])
+def test_a_sequence_split_over_microbatches_counts_once_or_is_refused(mode: str) -> None:
+    losses = torch.arange(1.0, 7.0, dtype=torch.float64).view(1, 6)
+    mask, whole = torch.ones(1, 6), torch.arange(6).view(1, 6)
+    expected = aggregate(losses, mask, mode=mode, position_ids=whole)
+    # Cut in two microbatches: the second piece begins inside the sequence, refused.
+    first = aggregate(losses[:, :3], mask[:, :3], mode=mode, position_ids=whole[:, :3])
+    assert first[1].item() == 1
+    with pytest.raises(RuntimeError, match=r"^a row of mask begins inside a sequence"):
+        aggregate(losses[:, 3:], mask[:, 3:], mode=mode, position_ids=whole[:, 3:])
+    # Split on purpose: each piece gives the whole mask and its positions, and counts its share.
+    pieces = [
+        aggregate(losses[:, held], mask, mode=mode, position_ids=whole, positions=held)
+        for held in (slice(0, 2), slice(2, 6))
+    ]
+    assert [count.item() for _, count in pieces] == pytest.approx([2 / 6, 4 / 6])
+    assert sum(total for total, _ in pieces).item() == pytest.approx(expected[0].item())
+    # A left-padded row (padding before position id 0) and token means are not refused.
+    padded = torch.tensor([[1, 1, 0, 1, 2, 3]])
+    left = aggregate(losses, torch.tensor([[0, 0, 1, 1, 1, 1]]), mode=mode, position_ids=padded)
+    assert left[1].item() == 1
+    tokens = aggregate(losses[:, 3:], mask[:, 3:], mode="token-mean", position_ids=whole[:, 3:])
+    assert tokens[1].item() == 3
+
+
 @pytest.mark.parametrize(
     ("call", "error", "message"),
     [

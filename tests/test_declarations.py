@@ -145,3 +145,51 @@ def test_numpy_integers_count_and_numpy_arrays_are_refused_by_name() -> None:
         acc.begin(num_tokens=np.array([3, 1]))
     with pytest.raises(TypeError, match=r"as a 1-D integer tensor or a list of ints$"):
         acc.begin(num_tokens=np.array([3, 1]))
+
+
+def _weights_checked(declared: object, given: object) -> str:
+    """What scale_loss() of a count-first step says of ``given`` for the weight sum that
+    begin() declared as ``declared``: "agree", or its error."""
+    acc = Accumulator(terms=[Term("policy", "sum", "weight_sum")])
+    x = torch.ones((), dtype=F64, requires_grad=True)
+    acc.begin(weight_sum=[declared])
+    try:
+        acc.scale_loss({"policy": x * 2}, weight_sum=given).backward()
+    except (ValueError, RuntimeError) as refused:
+        acc.abandon()
+        return str(refused)
+    assert acc.end().weight_sum.item() == pytest.approx(float(torch.as_tensor(declared)))
+    return "agree"
+
+
+# A weight sum of 1,000 weights in float32 (in two orders) and in float64: each the same items.
+_W = torch.rand(1000, generator=torch.Generator().manual_seed(0), dtype=F64) * 3
+_F32, _F32_REVERSED = _W.float().sum(), _W.float().flip(0).cumsum(0)[-1]
+
+
+@pytest.mark.parametrize(
+    ("declared", "given"),
+    [
+        (_F32, _W.sum()),  # float32 on one side, float64 on the other
+        (_F32, _F32_REVERSED),  # float32 summed in another order
+        (_W.sum().item(), _W.flip(0).sum()),  # a Python float and a float64 tensor
+        (_W.sum().item(), _W.flip(0).sum().item()),  # two Python floats
+        (_W.bfloat16().sum(), _W.sum()),  # bfloat16: its own round-off
+    ],
+)
+def test_a_weight_sum_in_another_order_or_dtype_agrees(declared: object, given: object) -> None:
+    assert float(_F32) != float(_W.sum())  # the float32 and float64 sums do differ
+    assert _weights_checked(declared, given) == "agree"
+
+
+@pytest.mark.parametrize(
+    ("declared", "given"),
+    [
+        (_W.sum(), _W[1:].sum()),  # one weight of 1,000 left out, in float64
+        (_F32, _W[1:].float().sum()),  # and in float32
+        (_W.sum().item(), _W[1:].sum().item()),  # as Python floats
+        (_W.sum().item(), _W.sum().item() * (1 + 1e-7)),  # float64 differs beyond 1.5e-8
+    ],
+)
+def test_a_weight_sum_over_other_items_is_refused(declared: object, given: object) -> None:
+    assert "the loss and its count cover different items" in _weights_checked(declared, given)
