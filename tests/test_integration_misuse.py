@@ -166,10 +166,15 @@ def test_hf_token_labels_of_a_loss_it_cannot_read_are_refused(tmp_path: Any) -> 
 
 def test_hf_the_shift_is_read_from_the_loss_function() -> None:
     pytest.importorskip("transformers")
-    from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
+    from transformers.loss.loss_utils import (
+        ForCausalLMLoss,
+        ForMaskedLMLoss,
+        ForTokenClassification,
+    )
 
     from lossweight.integrations.hf import _shifts
 
     assert _shifts(ForCausalLMLoss) is True
     assert _shifts(ForMaskedLMLoss) is False
+    assert _shifts(ForTokenClassification) is False
     assert _shifts(lambda labels, logits, config: labels.sum()) is None  # a classifier's

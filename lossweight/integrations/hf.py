@@ -54,6 +54,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Mapping
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -314,13 +315,16 @@ def _loss_shifts_labels(trainer: Trainer) -> bool | None:
 
 
 def _shifts(loss_function: Any) -> bool | None:
-    """Whether ``loss_function`` (a causal or masked LM's signature) compares position ``i``
-    with label ``i + 1``: on labels ``[[0, -100]]`` over zero logits, the sum over its items
-    is 0 if it shifts (its one label falls off), log 2 if it does not; None for another."""
+    """Whether ``loss_function`` (a causal or masked LM's signature, or a token classifier's)
+    compares position ``i`` with label ``i + 1``: on labels ``[[0, -100]]`` over zero logits of
+    2 classes, the sum over its items is 0 if it shifts (its one label falls off), log 2 if it
+    does not; None for another loss."""
     logits = torch.zeros(1, 2, 2, dtype=torch.float64)
     labels = torch.tensor([[0, IGNORE_INDEX]])
+    config = SimpleNamespace(num_labels=2, vocab_size=2, problem_type=None)
+    arguments = {"vocab_size": 2, "config": config, "num_items_in_batch": 1}
     try:
-        loss = loss_function(logits=logits, labels=labels, vocab_size=2, num_items_in_batch=1)
+        loss = loss_function(logits=logits, labels=labels, **arguments)
     except Exception:  # another loss's signature: a classifier's, a detector's
         return None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
