@@ -70,7 +70,9 @@ def relative_error(got: list[torch.Tensor], expected: list[torch.Tensor]) -> flo
     )
 
 
-def engine_for(base: torch.nn.Module, stage: int, log_comms: bool = False, **extra: Any) -> Any:
+def engine_for(
+    base: torch.nn.Module, stage: int, log_comms: bool = False, lr: float = 0.0, **extra: Any
+) -> Any:
     import deepspeed
 
     config: dict[str, Any] = {
@@ -84,7 +86,7 @@ def engine_for(base: torch.nn.Module, stage: int, log_comms: bool = False, **ext
     if log_comms:  # DeepSpeed's own count of its collectives
         config["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False}
     net = copy.deepcopy(base)
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)  # the same weights every step
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr)  # lr 0: the same weights every step
     engine, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=config)
     return engine
 
@@ -285,14 +287,14 @@ def misuse(base: torch.nn.Module, rank: int) -> dict[str, str]:
     engine = engine_for(base, 2)
     lw = DeepSpeedAccumulator(engine, loss_reduction="sum", weight_by="samples")
     lw.begin(num_samples=[2, 1])
-    for microbatch, rows in enumerate([2, 1]):
-        x, y = data(0, rank, microbatch, rows)
-        loss = ((engine(x.float()).squeeze(-1).double() - y) ** 2).sum()
-        engine.backward(loss * lw.backward_scale(microbatch))
-        lw.record_loss(microbatch, loss)
-        if microbatch == 0:
-            engine.step()
     try:
+        for microbatch, rows in enumerate([2, 1]):
+            x, y = data(0, rank, microbatch, rows)
+            loss = ((engine(x.float()).squeeze(-1).double() - y) ** 2).sum()
+            engine.backward(loss * lw.backward_scale(microbatch))
+            lw.record_loss(microbatch, loss)
+            if microbatch == 0:
+                engine.step()
         lw.end()
         found["short_window_by_hand"] = "accepted"
     except RuntimeError as error:
@@ -387,3 +389,172 @@ class Rows(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, index: int) -> dict:
         return self.rows[index]
+
+
+# ------------------------------------------------------------------------------------------
+# Loops that stray from DeepSpeed's own count of microbatches, each step's update measured
+# ------------------------------------------------------------------------------------------
+
+SHORT_THEN_FULL = [[[3, 1], [2, 2]], WINDOWS[0]]
+LONG_THEN_FULL = [[[1, 2, 1, 2], [2, 1, 1, 1]], WINDOWS[0]]
+
+
+def loss_of(engine: Any, step: int, rank: int, microbatch: int, rows: int) -> torch.Tensor:
+    x, y = data(step, rank, microbatch, rows)
+    return ((engine(x.float()).squeeze(-1).double() - y) ** 2).sum()
+
+
+def at_current_weights(engine: Any, base: torch.nn.Module, step: int, ranks: list) -> list:
+    """The full-batch gradient of a window's rows at the engine's weights (stage 0 to 2 keep
+    every parameter whole), float64."""
+    reference = copy.deepcopy(base).double()
+    with torch.no_grad():
+        for mine, theirs in zip(reference.parameters(), engine.module.parameters(), strict=True):
+            mine.copy_(theirs.double())
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for rank, microbatches in enumerate(ranks):
+        for microbatch, rows in enumerate(microbatches):
+            x, y = data(step, rank, microbatch, rows)
+            total = total + ((reference(x).squeeze(-1) - y) ** 2).sum()
+            count += rows
+    (total / count).backward()
+    return [p.grad for p in reference.parameters()]
+
+
+def documented(engine: Any, lw: Any, step: int, rank: int, mine: list[int]) -> None:
+    lw.begin(num_samples=mine)
+    for microbatch, rows in enumerate(mine):
+        engine.backward(lw.scale_loss(loss_of(engine, step, rank, microbatch, rows)))
+        if engine.is_gradient_accumulation_boundary():
+            lw.end()
+        engine.step()
+
+
+def end_after_step(engine: Any, lw: Any, step: int, rank: int, mine: list[int]) -> None:
+    lw.begin(num_samples=mine)
+    for microbatch, rows in enumerate(mine):
+        engine.backward(lw.scale_loss(loss_of(engine, step, rank, microbatch, rows)))
+        engine.step()
+    lw.end()
+
+
+def scale_after_end_after_step(engine: Any, lw: Any, step: int, rank: int, mine: list) -> None:
+    lw.begin(parameters=engine.module.parameters())
+    for microbatch, rows in enumerate(mine):
+        loss = loss_of(engine, step, rank, microbatch, rows)
+        engine.backward(lw.scale_loss(loss, num_samples=rows))
+        engine.step()
+    lw.end()
+
+
+def by_hand(engine: Any, lw: Any, step: int, rank: int, mine: list[int]) -> None:
+    """Scaled with backward_scale(i), ended before the window's last engine.step()."""
+    lw.begin(num_samples=mine)
+    for microbatch, rows in enumerate(mine):
+        loss = loss_of(engine, step, rank, microbatch, rows)
+        engine.backward(loss * lw.backward_scale(microbatch))
+        lw.record_loss(microbatch, loss)
+        if microbatch == len(mine) - 1:
+            lw.end()
+        engine.step()
+
+
+def unscaled_by_gas(engine: Any, lw: Any, step: int, rank: int, mine: list[int]) -> None:
+    lw.begin(num_samples=mine)
+    for microbatch, rows in enumerate(mine):
+        loss = lw.scale_loss(loss_of(engine, step, rank, microbatch, rows))
+        engine.backward(loss, scale_wrt_gas=False)
+        if engine.is_gradient_accumulation_boundary():
+            lw.end()
+        engine.step()
+
+
+def caller_owned(engine: Any, lw: Any, step: int, rank: int, mine: list[int]) -> None:
+    """The loop of managed_gradient_accumulation false: one engine.step() a window."""
+    lw.begin(num_samples=mine)
+    for microbatch, rows in enumerate(mine):
+        engine.backward(lw.scale_loss(loss_of(engine, step, rank, microbatch, rows)))
+    lw.end()
+    engine.step()
+
+
+STRAYS: dict[str, tuple[Any, int, list, dict[str, Any]]] = {
+    # name: (loop, or one per window; ZeRO stage; windows; engine config)
+    "end-after-step/short": (end_after_step, 2, SHORT_THEN_FULL, {}),
+    "end-after-step/scale-after": (scale_after_end_after_step, 0, SHORT_THEN_FULL, {}),
+    "by-hand/long": (by_hand, 0, LONG_THEN_FULL, {}),
+    # A short count-first window leaves DeepSpeed's count 2 microbatches into its next.
+    "by-hand/after-short": ([documented, by_hand, by_hand], 2, [*SHORT_THEN_FULL, WINDOWS[1]], {}),
+    "scale-wrt-gas-false": (unscaled_by_gas, 2, WINDOWS[:2], {}),
+    "unmanaged/documented": (documented, 2, WINDOWS[:2], {"managed_gradient_accumulation": False}),
+    "unmanaged/caller-owned": (
+        caller_owned,
+        2,
+        WINDOWS[:2],
+        {"managed_gradient_accumulation": False},
+    ),
+    "documented/long": (documented, 2, LONG_THEN_FULL, {}),
+}
+
+
+def stray_run(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
+    """Each loop of ``names`` over its windows with a learning rate: each window's update
+    against its full-batch gradient at the weights it started from, until a call raises."""
+    from lossweight.integrations.deepspeed import DeepSpeedAccumulator
+
+    start_deepspeed(rank, world_size)
+    base = model()
+    outcome: dict[str, Any] = {}
+    for name in names:
+        loop, stage, windows, extra = STRAYS[name]
+        loops = loop if isinstance(loop, list) else [loop] * len(windows)
+        seen: dict[str, Any] = {"errors": [], "error": None, "unchanged": None}
+        outcome[name] = seen
+        engine = engine_for(base, stage, lr=LR, **extra)
+        before = [p.detach().double().clone() for p in engine.module.parameters()]
+        try:
+            lw = DeepSpeedAccumulator(engine, loss_reduction="sum", weight_by="samples")
+            for step, ranks in enumerate(windows):
+                expected = at_current_weights(engine, base, step, ranks)
+                before = [p.detach().double().clone() for p in engine.module.parameters()]
+                loops[step](engine, lw, step, rank, ranks[rank])
+                after = [p.detach().double() for p in engine.module.parameters()]
+                grads = [(b - a) / LR for b, a in zip(before, after, strict=True)]
+                seen["errors"].append(relative_error(grads, expected))
+        except Exception as error:  # what the loop raised, on this rank: the message counts
+            seen["error"] = f"{type(error).__name__}: {error}"
+            now = [p.detach().double() for p in engine.module.parameters()]
+            seen["unchanged"] = all(map(torch.equal, before, now))
+    return outcome
+
+
+def start_deepspeed(rank: int, world_size: int) -> None:
+    distributed_environment(rank, world_size)
+    warnings.filterwarnings("ignore")
+    without_shared_memory_op()
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
+UNEVEN = [[[1, 2, 1], [2, 3]]]  # rank 1 has a microbatch fewer
+
+
+def uneven_run(rank: int, world_size: int, stage: int) -> dict[str, Any]:
+    """The documented loop over a step whose ranks have 3 and 2 microbatches: what it raises
+    on this rank, and whether the parameters moved."""
+    from lossweight.integrations.deepspeed import DeepSpeedAccumulator
+
+    start_deepspeed(rank, world_size)
+    base = model()
+    engine = engine_for(base, stage, lr=LR)
+    lw = DeepSpeedAccumulator(engine, loss_reduction="sum", weight_by="samples")
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    try:
+        documented(engine, lw, 0, rank, UNEVEN[0][rank])
+        error = None
+    except Exception as raised:
+        error = f"{type(raised).__name__}: {raised}"
+    unchanged = all(map(torch.equal, before, engine.module.parameters()))
+    return {"error": error, "unchanged": unchanged}

@@ -217,6 +217,20 @@ def hf_models() -> dict[str, Any]:
                 input_ids=input_ids, attention_mask=attention_mask, labels=labels
             )
 
+    class TinyLM(LlamaForCausalLM):
+        """A causal LM under a name that says nothing of its loss (its loss_type is None, and
+        its loss_function transformers' default, ForCausalLMLoss)."""
+
+    class Wrapped(torch.nn.Module):
+        """A module around a causal LM, whose forward is the LM's."""
+
+        def __init__(self, lm: torch.nn.Module) -> None:
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, input_ids, attention_mask=None, labels=None):  # type: ignore[no-untyped-def]
+            return self.lm(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
     config = LlamaConfig(
         vocab_size=32,
         hidden_size=16,
@@ -242,6 +256,8 @@ def hf_models() -> dict[str, Any]:
         "llama-fp32-loss": build(LlamaForCausalLM, False),
         "no-loss-kwargs": build(NoLossKwargsLlamaForCausalLM, True),
         "classifier": build(NoLossKwargsLlamaForSequenceClassification, False),
+        "subclass": build(TinyLM, True),
+        "wrapper": Wrapped(build(LlamaForCausalLM, True)),
     }
 
 
@@ -257,6 +273,8 @@ HF_CONFIGS = {
     "classifier/lossweight": ("classifier", "lossweight", "samples", True),
     "llama-fp32-loss/lossweight": ("llama-fp32-loss", "lossweight", "tokens", True),
     "llama/lossweight-clipped": ("llama", "lossweight", "tokens", True),
+    "subclass/lossweight": ("subclass", "lossweight", "tokens", True),
+    "wrapper/lossweight": ("wrapper", "lossweight", "tokens", True),
 }
 # Clipped by the Trainer (max_grad_norm) to half the smallest norm of the steps' full-batch
 # gradients, so that every step clips; the others do not clip.

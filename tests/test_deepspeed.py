@@ -17,6 +17,7 @@ from . import deepspeed_workers as workers
 from .gloo import run_ranks, values
 
 FP32 = 1e-6  # relative, as the suite compares float32 results with a float64 reference
+UPDATE = 1e-5  # a gradient read from a float32 update of learning rate LR
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +46,10 @@ def test_deepspeeds_own_collectives_do_not_change(runs: list[dict], stage: int) 
     for rank in runs:
         seen = rank[f"zero{stage}/collectives"]
         assert seen["deepspeed"] and seen["with_lossweight"] == seen["deepspeed"], seen
-        # lossweight.testing counts every collective: lossweight adds its 2 all-reduces a step.
+        # lossweight.testing counts every collective: lossweight adds its 2 all-reduces a step,
+        # and DeepSpeedAccumulator one of the ranks' numbers of microbatches.
         added = dict(seen["all_with_lossweight"])
-        added["all_reduce"] -= 2 * 2
+        added["all_reduce"] -= 2 * 3
         assert {name: n for name, n in added.items() if n} == seen["all_plain"], seen
 
 
@@ -87,7 +89,7 @@ def test_scale_after_at_stage_0(runs: list[dict]) -> None:
         ),
         ("scale_after_zero2", "ZeRO stage 2 moves the gradients into its partitions"),
         ("early_end", "came before DeepSpeed's gradient accumulation boundary"),
-        ("short_window_by_hand", "came before DeepSpeed's gradient accumulation boundary"),
+        ("short_window_by_hand", "does not make the step's last microbatch (1) its boundary"),
         ("steps_changed", "the engine's gradient accumulation steps changed from 3 to 2"),
         ("abandoned_zero2", "ZeRO stage 2 keeps that step's partial gradients"),
         ("compiled", "DeepSpeedAccumulator.scale_loss() runs eagerly"),
@@ -96,6 +98,64 @@ def test_scale_after_at_stage_0(runs: list[dict]) -> None:
 def test_misuse_is_refused(runs: list[dict], case: str, message: str) -> None:
     for rank in runs:
         assert message in rank["misuse"][case]
+
+
+@pytest.fixture(scope="module")
+def strays() -> list[dict]:
+    # About 15 s on 2 cores (8 engines); the deadline only stops a hang.
+    return values(run_ranks(2, workers.stray_run, list(workers.STRAYS), deadline=240))
+
+
+@pytest.mark.parametrize("case", ["documented/long", "end-after-step/short"])
+def test_a_window_of_other_length_than_the_engines_is_one_exact_update(
+    strays: list[dict], case: str
+) -> None:
+    # Counting first, scale_loss() places the boundary: a window of 4 or 2 microbatches under
+    # 3 accumulation steps is one update, and end() after that engine.step() is exact too.
+    for rank in strays:
+        seen = rank[case]
+        assert seen["error"] is None and len(seen["errors"]) == 2, seen
+        assert max(seen["errors"]) < UPDATE, seen["errors"]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        # backward_scale(i) leaves the boundary to DeepSpeed's count: 4 microbatches under 3
+        # accumulation steps would update after the third, and after a short window of 2
+        # the count would update after the next window's first.
+        ("by-hand/long", "makes microbatch 2 of the step's 4 its boundary"),
+        ("by-hand/after-short", "makes microbatch 0 of the step's 3 its boundary"),
+        ("scale-wrt-gas-false", "engine.backward(loss, scale_wrt_gas=False) in step 1"),
+        ("unmanaged/documented", '"managed_gradient_accumulation": true (the default)'),
+        ("unmanaged/caller-owned", '"managed_gradient_accumulation": true (the default)'),
+        # Scaling after, 2 microbatches and an engine.step() each: DeepSpeed's count reached
+        # no boundary, so nothing was reduced or updated.
+        ("end-after-step/scale-after", "its last microbatch (1) was not the boundary"),
+    ],
+)
+def test_a_loop_the_engine_would_step_wrongly_is_refused_before_the_update(
+    strays: list[dict], case: str, message: str
+) -> None:
+    for rank in strays:
+        seen = rank[case]
+        assert seen["error"] is not None and message in seen["error"], seen
+        # Every window before the refusal was exact, and the refused one updated nothing.
+        assert all(error < UPDATE for error in seen["errors"]), seen["errors"]
+        assert seen["unchanged"] is True, seen
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_uneven_numbers_of_microbatches_are_refused_on_every_rank(stage: int) -> None:
+    # At stage 2 the ranks' reductions would pair wrongly (gloo aborts); at stage 0 the ranks'
+    # engines would count different micro steps from then on.
+    outcomes = values(run_ranks(2, workers.uneven_run, stage, deadline=120))
+    for rank, seen in enumerate(outcomes):
+        declared = len(workers.UNEVEN[0][rank])
+        assert seen["error"] is not None, seen
+        assert f"this rank declared {declared} microbatches for step 1" in seen["error"]
+        assert "the 2 ranks declared 2.5 on average" in seen["error"]
+        assert seen["unchanged"], seen
 
 
 @pytest.fixture(scope="module")

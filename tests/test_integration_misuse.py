@@ -10,7 +10,10 @@ padding and a microbatch without any target, both ranks' microbatches of a step 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch
 
 from . import integration_workers as workers
 from .gloo import run_ranks, values
@@ -109,3 +112,69 @@ def test_accelerate_refuses_end_if_sync_before_the_last_backward(accelerate: dic
     assert seen["error"] is not None, seen
     assert "only 7 of the 8 losses that scale_loss() returned" in seen["error"]
     assert seen["blocks"] == workers.MISUSE_WINDOW and seen["unchanged"]
+
+
+# ------------------------------------------------------------------------------------------
+# Hugging Face Trainer: a model whose loss cannot be read
+# ------------------------------------------------------------------------------------------
+
+
+class OwnLossModel(torch.nn.Module):
+    """Not a transformers model: its forward computes a loss lossweight cannot read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 8)
+
+    def forward(self, input_ids: Any, labels: Any = None, shift_labels: Any = None) -> dict:
+        logits = self.embed(input_ids)
+        targets = labels if shift_labels is None else shift_labels
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+def own_loss_train(tmp: str, rows: list[dict]) -> None:
+    from transformers import TrainingArguments
+
+    from lossweight.integrations.hf import LossweightTrainer
+
+    args = TrainingArguments(
+        output_dir=tmp, per_device_train_batch_size=2, max_steps=1, use_cpu=True,
+        report_to=[], save_strategy="no", disable_tqdm=True, remove_unused_columns=False,
+    )  # fmt: skip
+
+    def collate(batch: list[dict]) -> dict:
+        return {name: torch.stack([row[name] for row in batch]) for name in batch[0]}
+
+    trainer = LossweightTrainer(
+        model=OwnLossModel(), args=args, train_dataset=rows, data_collator=collate
+    )
+    trainer.train()
+
+
+def test_hf_token_labels_of_a_loss_it_cannot_read_are_refused(tmp_path: Any) -> None:
+    pytest.importorskip("transformers")
+    ids = torch.tensor([1, 2, 3, 4])
+    rows = [{"input_ids": ids, "labels": ids} for _ in range(2)]
+    with pytest.raises(ValueError) as raised:
+        own_loss_train(str(tmp_path), rows)
+    assert "cannot tell whether the loss of OwnLossModel shifts them" in str(raised.value)
+    assert "let the data collator return 'shift_labels'" in str(raised.value)
+    # The fix: the targets each position's loss compares with, counted as given.
+    own_loss_train(str(tmp_path), [{**row, "shift_labels": row["labels"]} for row in rows])
+
+
+def test_hf_the_shift_is_read_from_the_loss_function() -> None:
+    pytest.importorskip("transformers")
+    from transformers.loss.loss_utils import (
+        ForCausalLMLoss,
+        ForMaskedLMLoss,
+        ForTokenClassification,
+    )
+
+    from lossweight.integrations.hf import _shifts
+
+    assert _shifts(ForCausalLMLoss) is True
+    assert _shifts(ForMaskedLMLoss) is False
+    assert _shifts(ForTokenClassification) is False
+    assert _shifts(lambda labels, logits, config: labels.sum()) is None  # a classifier's

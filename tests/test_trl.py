@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from . import trl_workers as workers
 from .gloo import run_ranks, values
@@ -203,6 +204,62 @@ def test_an_entropy_bonus_switched_on_after_construction_is_refused(
     grpo.entropy_coef = 0.1  # as a schedule in a callback might
     with pytest.raises(ValueError, match=r"entropy_coef is 0\.1, and was 0 when"):
         grpo.train()
+
+
+class Change:
+    """A callback that sets an option on the trainer as its second optimizer step begins, as a
+    schedule would, and keeps the parameters then (``at_change``)."""
+
+    def __new__(cls, trainer: Any, option: str, value: Any) -> Any:
+        from transformers import TrainerCallback
+
+        class Changing(TrainerCallback):
+            def __init__(self) -> None:
+                self.at_change: list[torch.Tensor] = []
+
+            def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                if state.global_step == 1:
+                    self.at_change = [p.detach().clone() for p in trainer.model.parameters()]
+                    setattr(trainer, option, value)
+
+        return Changing()
+
+
+@pytest.mark.parametrize(
+    ("built", "option", "value", "message"),
+    [
+        # Before: TRL failed on the reference model it never made (an AttributeError).
+        ({}, "beta", 0.04, "beta is 0.04, and was 0 when this LossweightGRPOTrainer was built"),
+        # Before: trained on, normalised by the step's tokens where "grpo" counts completions.
+        (
+            {"loss_type": "dapo"},
+            "loss_type",
+            "grpo",
+            "loss_type is 'grpo', and was 'dapo' when this LossweightGRPOTrainer was built",
+        ),
+        ({"loss_type": "grpo"}, "loss_type", "bnpo", "does not take loss_type='bnpo'"),
+    ],
+)
+def test_an_option_changed_by_a_callback_is_refused_before_it_trains(
+    tiny: dict[str, Any], built: dict[str, Any], option: str, value: Any, message: str
+) -> None:
+    grpo = trainer(tiny, **built)
+    change = Change(grpo, option, value)
+    grpo.add_callback(change)
+    with pytest.raises(ValueError) as raised:
+        grpo.train()
+    assert message in str(raised.value)
+    # The first step trained; the second was refused before its update.
+    assert grpo.state.global_step == 1 and change.at_change
+    now = list(grpo.model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(change.at_change, now, strict=True))
+
+
+def test_a_loss_type_of_the_same_normaliser_may_change(tiny: dict[str, Any]) -> None:
+    grpo = trainer(tiny, loss_type="dapo", logging_steps=1)
+    grpo.add_callback(Change(grpo, "loss_type", "cispo"))
+    grpo.train()
+    assert grpo.state.global_step == 2
 
 
 def test_a_step_cut_short_makes_the_next_one_fail_instead_of_mixing_steps(

@@ -48,7 +48,11 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
         {"loss_type": "dapo", "steps_per_generation": 4},
         "off",
     ),
+    # A callback anneals the KL penalty to 0 for the second step (see CHANGED).
+    "grpo-kl-annealed": ({"loss_type": "grpo", "beta": 0.1}, "exact"),
 }
+# name: {optimizer step: the options a callback sets on the trainer as the step begins}
+CHANGED: dict[str, dict[int, dict[str, Any]]] = {"grpo-kl-annealed": {1: {"beta": 0.0}}}
 # Compared with GRPOTrainer where it is exact by construction (one microbatch per rank, equal
 # rows per rank): the per-token losses must be the same, option for option.
 SAME_AS_TRL: dict[str, dict[str, Any]] = {
@@ -160,7 +164,9 @@ def reference(
         "dr_grpo": rows * options["max_completion_length"],
         "luspo": rows,
     }[kind]
-    losses = {name: total / normaliser for name, total in sums.items() if name == "policy" or beta}
+    # A KL penalty annealed to 0 keeps its term, at 0.
+    kept = ("policy", "kl") if "beta" in options else ("policy",)
+    losses = {name: total / normaliser for name, total in sums.items() if name in kept}
     if options.get("entropy_coef", 0.0):
         losses["entropy"] = -options["entropy_coef"] * entropy / tokens
     loss = sum(losses.values())
@@ -185,12 +191,15 @@ def grpo_run(rank: int, world_size: int, tmp: str) -> dict:
     class Record(TrainerCallback):
         """The parameters as each optimizer step begins, and its gradient before the step."""
 
-        def __init__(self) -> None:
+        def __init__(self, changes: dict[int, dict[str, Any]]) -> None:
             self.parameters: list[dict[str, torch.Tensor]] = []
             self.gradients: list[list[torch.Tensor]] = []
+            self.changes, self.trainer = changes, None
 
         def on_step_begin(self, args, state, control, model=None, **kwargs):
             self.parameters.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+            for option, value in self.changes.get(state.global_step, {}).items():
+                setattr(self.trainer, option, value)  # as a schedule in a callback would
 
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             self.gradients.append(gradients(model))
@@ -236,7 +245,7 @@ def grpo_run(rank: int, world_size: int, tmp: str) -> dict:
             ddp_find_unused_parameters=False,
             **options,
         )
-        record = Record()
+        record = Record(CHANGED.get(name, {}))
         trainer = recording(cls)(
             model=copy.deepcopy(base),
             reward_funcs=reward,
@@ -245,22 +254,23 @@ def grpo_run(rank: int, world_size: int, tmp: str) -> dict:
             processing_class=words,
             callbacks=[record],
         )
-        trainer.seen = []
+        trainer.seen, record.trainer = [], trainer
         with contextlib.redirect_stdout(io.StringIO()):
             trainer.train()
         return trainer, record
 
-    def compare(trainer: Any, record: Any, options: dict[str, Any]) -> dict:
+    def compare(trainer: Any, record: Any, name: str, options: dict[str, Any]) -> dict:
         """Each step's gradient and logged loss against the fp64 full-batch reference."""
         everyone: list[Any] = [None] * world_size
         dist.all_gather_object(everyone, trainer.seen)
-        options = {"max_completion_length": 4, **options}
+        built = {"max_completion_length": 4, **options}
         errors, losses, expected, tokens, counted = [], [], [], [], []
         logs = [entry for entry in trainer.state.log_history if "loss" in entry]
         for step in range(STEPS):
             microbatches = [m for seen in everyone for s, m in seen if s == step]
             model = copy.deepcopy(base)
             model.load_state_dict(record.parameters[step])
+            options = {**built, **CHANGED.get(name, {}).get(step, {})}
             terms, grads = reference(model, microbatches, options)
             errors.append(max_relative_error(record.gradients[step], grads))
             # The total, and each term's when there are several (lossweight logs them).
@@ -282,7 +292,7 @@ def grpo_run(rank: int, world_size: int, tmp: str) -> dict:
     for name, (options, _) in CASES.items():
         for kind, cls in (("lossweight", LossweightGRPOTrainer), ("trl", GRPOTrainer)):
             trainer, record = train(cls, name, options, microbatches=2)
-            outcome[f"{name}/{kind}"] = compare(trainer, record, options)
+            outcome[f"{name}/{kind}"] = compare(trainer, record, name, options)
     for name, options in SAME_AS_TRL.items():
         seen = {}
         for kind, cls in (("lossweight", LossweightGRPOTrainer), ("trl", GRPOTrainer)):

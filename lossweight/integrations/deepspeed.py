@@ -6,8 +6,8 @@ gradient instead. It then averages the gradients over the data-parallel ranks, a
 stages 1 to 3 keeps them in its partitions. :class:`DeepSpeedAccumulator` reads the
 accumulation steps from the engine and undoes that division (through the Accumulator's
 ``framework_divides_loss_by``), and it makes DeepSpeed's accumulation boundary fall on the last
-microbatch that ``begin()`` declared, so that a window shorter than the accumulation steps (the
-last one of an epoch) is reduced and stepped as one optimizer step::
+microbatch that ``begin()`` declared, so that a window shorter or longer than the accumulation
+steps (the last one of an epoch) is reduced and stepped as one optimizer step::
 
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     lw = DeepSpeedAccumulator(engine, loss_reduction="sum")
@@ -24,28 +24,58 @@ Count first works at every ZeRO stage with ``engine.backward``, and with a plain
 stages 1 to 3 (DeepSpeed refuses it at stage 0). Scaling after rescales the
 gradients once after the last backward, which only ZeRO stage 0 keeps in ``param.grad``: at
 stages 1 to 3 ``begin(parameters=...)`` is refused with an error that names count first.
-``end()`` before DeepSpeed's boundary is refused: a scale-after step, or a loop that scales
-with ``backward_scale(i)``, must have ``gradient_accumulation_steps`` microbatches.
+
+What the engine does is checked, not assumed. Before each microbatch's backward, the engine's
+own boundary for it (its count of ``engine.step()`` calls, ``micro_steps``, unless
+``scale_loss()`` placed it) must be the step's last microbatch and no other, and no optimizer
+update (``global_steps``) may have happened since ``begin()``: a loop that scales with
+``backward_scale(i)`` over a window that DeepSpeed's count does not end where the step ends is
+refused before that backward, and a scale-after step (whose microbatches are not declared) at
+``end()``, where ``end()`` after the ``engine.step()`` that updated is refused too (a count-first
+step's update is exact then). ``engine.backward(loss, scale_wrt_gas=False)`` during a step is
+refused before its backward, and so is an engine with ``managed_gradient_accumulation: false``,
+whose every ``engine.step()`` updates. Every rank must give a count-first step as many
+microbatches, as DeepSpeed's reductions pair one microbatch of each rank: ``begin()`` starts
+an all-reduce of the number, checked before the first backward, so that uneven numbers are an
+error on every rank rather than mismatched collectives.
 DeepSpeed clips the gradients in ``engine.step()`` (``gradient_clipping``, 1.0 unless the config
 says otherwise), after ``end()``: it clips the exact gradient.
 
-Relies on these engine methods: ``gradient_accumulation_steps()``, ``zero_optimization_stage()``,
-``set_gradient_accumulation_boundary()`` and ``is_gradient_accumulation_boundary()``.
+Relies on these engine methods and attributes: ``gradient_accumulation_steps()``,
+``zero_optimization_stage()``, ``set_gradient_accumulation_boundary()``,
+``is_gradient_accumulation_boundary()``, ``managed_gradient_accumulation()``, ``backward()``
+(wrapped, to see its ``scale_wrt_gas``), ``micro_steps`` and ``global_steps``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .. import Accumulator, machine
-from ..accumulator import Count, Counts, Losses, StepContext
+from ..accumulator import Count, Counts, Factors, Losses, StepContext
+from ..collectives import Waitable, start_all_reduce
 from ..result import StepResult
 from ..weighting import GradReduction
 
 _ENGINE_DECIDES = ("framework_divides_loss_by", "grad_reduction")
+
+
+@dataclass
+class _Window:
+    """A step as the engine saw it: its optimizer updates (``global_steps``) when it began,
+    the microbatches whose backward was DeepSpeed's accumulation boundary, and the all-reduce
+    of the ranks' numbers of microbatches, until it is checked."""
+
+    updates: int
+    declared: int
+    boundaries: list[int] = field(default_factory=list)
+    last: int = -1  # the last microbatch that went to a backward
+    agreement: tuple[torch.Tensor, Waitable | None] | None = None
 
 
 class DeepSpeedAccumulator(Accumulator):
@@ -73,12 +103,22 @@ class DeepSpeedAccumulator(Accumulator):
                 f"(sequence_parallel_size={engine.sequence_parallel_size}): DeepSpeed averages "
                 "the gradients over the sequence-data-parallel group, not the world"
             )
+        managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
+        if not managed:
+            raise ValueError(
+                "DeepSpeedAccumulator got an engine with managed_gradient_accumulation false, "
+                "whose every engine.step() reduces and updates with the gradients it has, and "
+                "whose boundary cannot be placed on a step's last microbatch; set "
+                '"managed_gradient_accumulation": true (the default) in the DeepSpeed config'
+            )
         steps = engine.gradient_accumulation_steps()
         # gradient_allreduce_op "sum" makes the engine sum the ranks' gradients.
         reduction: GradReduction = "mean" if getattr(engine, "gradient_average", True) else "sum"
         super().__init__(framework_divides_loss_by=steps, grad_reduction=reduction, **options)
         self.engine = engine
         self._stranded: int | None = None  # a step abandoned with gradients DeepSpeed keeps
+        self._window: _Window | None = None
+        engine.backward = _refusing_unscaled(engine.backward, self)
 
     def begin(
         self,
@@ -116,6 +156,14 @@ class DeepSpeedAccumulator(Accumulator):
         counts = {"num_samples": num_samples, "num_tokens": num_tokens, "weight_sum": weight_sum}
         context = super().begin(**counts, parameters=parameters, step=step)
         self.engine.set_gradient_accumulation_boundary(None)  # a boundary left by a step before
+        step_state = self.state.step
+        assert step_state is not None
+        window = _Window(self.engine.global_steps, step_state.declared)
+        if step_state.mode == machine.COUNT_FIRST:
+            window.agreement = self._count_microbatches(step_state.declared)
+        self._window = window
+        if step_state.mode == machine.COUNT_FIRST and not step_state.declared:
+            self._agree(window)  # no microbatch: no backward to check it before
         return context
 
     def scale_loss(
@@ -136,35 +184,147 @@ class DeepSpeedAccumulator(Accumulator):
         counts = {"num_samples": num_samples, "num_tokens": num_tokens, "weight_sum": weight_sum}
         scaled = super().scale_loss(loss, **counts)
         step = self.state.step
-        if step is not None and step.mode == machine.COUNT_FIRST:
-            self.engine.set_gradient_accumulation_boundary(step.scaled == step.declared)
+        if step is not None:
+            if step.mode == machine.COUNT_FIRST:
+                last = step.scaled == step.declared
+                self.engine.set_gradient_accumulation_boundary(last)
+                self._before_backward(step.scaled - 1, last)
+            else:  # how many microbatches a scale-after step has is known at its end()
+                self._before_backward(step.scaled - 1, None)
         return scaled
 
+    def backward_scale(self, microbatch: int | None = None) -> Factors:
+        """:meth:`Accumulator.backward_scale`. Microbatch ``i``'s, read just before its
+        backward: DeepSpeed's own count of microbatches must end its accumulation at the step's
+        last microbatch and no other, since nothing tells the engine where the step ends."""
+        factors = super().backward_scale(microbatch)
+        step = self.state.step
+        if microbatch is not None and step is not None:  # () reads the next scale_loss()'s
+            index = int(microbatch)
+            self._before_backward(index, index == step.declared - 1)
+        return factors
+
     def end(self, *, max_grad_norm: float | None = None) -> StepResult:
-        """:meth:`Accumulator.end`, after the step's last backward and before its
-        ``engine.step()``, which must be DeepSpeed's accumulation boundary: there it reduces
-        the gradients and steps. ``scale_loss()`` puts the boundary there in a count-first
-        step; a scale-after step, or a loop that scales with ``backward_scale(i)``, must have
-        ``gradient_accumulation_steps`` microbatches."""
-        if self.state.step is not None and not self.engine.is_gradient_accumulation_boundary():
-            every = self.engine.gradient_accumulation_steps()
+        """:meth:`Accumulator.end`, after the step's last backward, where DeepSpeed's
+        accumulation boundary must have been, and before its ``engine.step()``, where DeepSpeed
+        steps (a count-first step may end after it too). ``scale_loss()`` puts the boundary
+        there in a count-first step; a scale-after step, or a loop that scales with
+        ``backward_scale(i)``, must have as many microbatches as DeepSpeed's count gives it
+        (``gradient_accumulation_steps``, starting at a multiple of them)."""
+        window, step = self._window, self.state.step
+        if window is not None and step is not None:
+            self._agree(window)
+            self._check_end(window, step)
+        result = super().end(max_grad_norm=max_grad_norm)
+        self._window = None
+        return result
+
+    def _count_microbatches(self, declared: int) -> tuple[torch.Tensor, Waitable | None] | None:
+        """Start the sum, over the ranks, of 1, this rank's microbatches and their square."""
+        collective = self._resolver.resolve()
+        if collective.world_size == 1:
+            return None
+        numbers = [1.0, float(declared), float(declared * declared)]
+        summed = torch.tensor(numbers, dtype=torch.float64, device=collective.device)
+        return summed, start_all_reduce(collective, summed)
+
+    def _agree(self, window: _Window) -> None:
+        """Check, once a step, that every rank declared as many microbatches as this one: each
+        DeepSpeed reduction pairs one microbatch of every rank."""
+        pending, window.agreement = window.agreement, None
+        if pending is None:
+            return
+        summed, handle = pending
+        if handle is not None:
+            handle.wait()
+        ranks, total, squares = summed.tolist()  # once a step, before its first backward
+        if ranks * squares != total * total:
             raise RuntimeError(
-                f"end() of step {self.state.steps} came before DeepSpeed's gradient accumulation "
-                "boundary, so DeepSpeed has not reduced this step's gradients, and would add "
-                "the next microbatches to them; end a step after the backward of its last "
-                "microbatch, where engine.is_gradient_accumulation_boundary() is true: count "
-                f"first with scale_loss(), which puts it there, or give each step {every} "
-                "microbatches"
+                f"this rank declared {window.declared} microbatches for step "
+                f"{self.state.steps}, and the {ranks:g} ranks declared {total / ranks:g} on "
+                "average: DeepSpeed reduces the gradients of one microbatch of every rank at a "
+                "time, so every rank must give a step as many microbatches; pad a rank with "
+                "microbatches of count 0, or split each step's rows evenly over the ranks"
             )
-        return super().end(max_grad_norm=max_grad_norm)
+
+    def _before_backward(self, index: int, last: bool | None) -> None:
+        """Check what the engine will do at microbatch ``index``'s backward: ``last``, whether
+        it ends the step (None: not known before ``end()``)."""
+        window = self._window
+        if window is None:
+            return
+        self._agree(window)
+        engine, steps = self.engine, self.state.steps
+        if engine.global_steps != window.updates:
+            raise RuntimeError(
+                f"DeepSpeed updated the parameters during step {steps}, at the engine.step() "
+                f"after microbatch {window.boundaries[-1] if window.boundaries else '?'}, "
+                f"before microbatch {index}: that update had part of the step's gradients. "
+                f"{self._fix()}"
+            )
+        boundary = bool(engine.is_gradient_accumulation_boundary())
+        if last is not None and boundary != last:
+            where = (
+                f"makes microbatch {index} of the step's {window.declared} its boundary, where "
+                "it would reduce and update with part of the step's gradients"
+                if boundary
+                else f"does not make the step's last microbatch ({index}) its boundary, so it "
+                "would not reduce the step's gradients there, and would add the next step's"
+            )
+            raise RuntimeError(
+                f"in step {steps}, DeepSpeed's own count of microbatches (micro step "
+                f"{engine.micro_steps}, {engine.gradient_accumulation_steps()} accumulation "
+                f"steps) {where}. {self._fix()}"
+            )
+        if window.boundaries and window.boundaries[-1] != index:
+            raise RuntimeError(
+                f"in step {steps}, microbatch {window.boundaries[-1]} was DeepSpeed's "
+                f"accumulation boundary, where it reduced part of the step's gradients, and "
+                f"microbatch {index} came after it. {self._fix()}"
+            )
+        if boundary and index not in window.boundaries:
+            window.boundaries.append(index)
+        window.last = index
+
+    def _check_end(self, window: _Window, step: machine.Step) -> None:
+        updates = self.engine.global_steps - window.updates
+        if window.last < 0 and step.declared == 0:
+            return  # no microbatch on any rank: nothing reached DeepSpeed
+        if window.boundaries != [window.last]:
+            raise RuntimeError(
+                f"end() of step {self.state.steps} came before DeepSpeed's gradient "
+                f"accumulation boundary: its last microbatch ({window.last}) was not the "
+                f"boundary of DeepSpeed's own count (micro step {self.engine.micro_steps}, "
+                f"{self.engine.gradient_accumulation_steps()} accumulation steps), so DeepSpeed "
+                "has not reduced this step's gradients, and would add the next microbatches "
+                f"to them. {self._fix()}"
+            )
+        if updates and step.mode != machine.COUNT_FIRST:
+            raise RuntimeError(
+                f"end() of step {self.state.steps} came after the engine.step() that updated "
+                "the parameters, with the gradients end() rescales in a scale-after step; "
+                "call end() after the last backward and before engine.step()"
+            )
+
+    def _fix(self) -> str:
+        every = self.engine.gradient_accumulation_steps()
+        return (
+            "Count first with scale_loss(), which puts DeepSpeed's boundary on the step's last "
+            f"microbatch, or give each step {every} microbatches, each followed by one "
+            "engine.step(), with backward_scale(i) read just before microbatch i's backward"
+        )
 
     def abandon(self) -> None:
         """:meth:`Accumulator.abandon`. At ZeRO stage 0 the step's gradients are dropped too
         (``engine.optimizer.zero_grad()``). At stages 1 to 3, once a microbatch went through
         ``scale_loss()``, DeepSpeed holds part of the step's gradients where they cannot be
         dropped, and would add them to the next step's: the next ``begin()`` refuses."""
-        step = self.state.step
+        step, window, self._window = self.state.step, self._window, None
         super().abandon()
+        if window is not None and window.agreement is not None:
+            _, handle = window.agreement
+            if handle is not None:  # started on every rank: none is left in flight
+                handle.wait()
         if step is None:
             return
         self.engine.set_gradient_accumulation_boundary(None)
@@ -172,3 +332,23 @@ class DeepSpeedAccumulator(Accumulator):
             self.engine.optimizer.zero_grad()
         elif step.scaled or step.factored:
             self._stranded = step.number
+
+
+def _refusing_unscaled(backward: Callable[..., Any], owner: DeepSpeedAccumulator) -> Any:
+    """``engine.backward``, refusing ``scale_wrt_gas=False`` during a step of ``owner``: the
+    engine would not divide the loss that ``scale_loss()`` multiplied by its accumulation
+    steps to undo that division."""
+
+    @functools.wraps(backward)
+    def checked(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        scale_wrt_gas = kwargs.get("scale_wrt_gas", args[1] if len(args) > 1 else True)
+        if not scale_wrt_gas and owner.step_open:
+            raise ValueError(
+                f"engine.backward(loss, scale_wrt_gas=False) in step {owner.steps}: "
+                "DeepSpeedAccumulator's scale_loss() multiplies each loss by the engine's "
+                f"{owner.engine.gradient_accumulation_steps()} accumulation steps, to undo "
+                "the division that scale_wrt_gas=True makes; call engine.backward(loss)"
+            )
+        return backward(loss, *args, **kwargs)
+
+    return checked

@@ -19,10 +19,14 @@ scales it by ``w * D / W``. The result does not depend on ``average_tokens_acros
 (ignored here), on whether the model's ``forward`` accepts loss kwargs, nor on how the rows
 fall into microbatches and ranks; microbatches without a target contribute exactly nothing.
 
-Tokens are counted as Hugging Face counts them for ``num_items_in_batch``: the non-``-100``
-labels, from position 1 on for models whose loss shifts the labels (a causal LM's
-``ForCausalLMLoss``, not an encoder-decoder), or the batch's ``shift_labels`` when the collator
-provides them. The model's loss must be the mean over exactly those targets, as Hugging Face's
+Tokens are counted as the model's loss covers them: the non-``-100`` labels, from position 1
+on where the model's loss shifts the labels (a causal LM's ``ForCausalLMLoss``, not an
+encoder-decoder), or the batch's ``shift_labels`` when the collator provides them. Whether it
+shifts is read from the model's own ``loss_function``, called once on two positions when the
+trainer is made (of the model, or of the one transformers model that a wrapper holds), not
+from its class name: a subclass or wrapper of a causal LM is counted shifted. Token labels
+of a model without one to read (or holding several) are refused unless the batches carry
+``shift_labels``. The model's loss must be the mean over exactly those targets, as Hugging Face's
 losses are. A ``compute_loss_func`` is called with ``num_items_in_batch=None`` and must return
 the microbatch's mean likewise.
 
@@ -37,8 +41,9 @@ here, returning ``None``), ``training_step``, ``compute_loss`` (called by ``trai
 with the model in training mode) and ``log``; the class attribute ``loss_is_scaled_for_ga``
 (``True`` here, so that ``training_step`` does not divide the loss by the accumulation steps);
 ``accelerator.gradient_accumulation_steps`` (1 under ``Trainer``: what ``accelerator.backward``
-divides by); and, for the causal shift, the private ``_loss_shifts_labels`` when present,
-else the same rule recomputed from ``transformers.loss.loss_utils.LOSS_MAPPING``. Not
+divides by); and, for the causal shift, ``PreTrainedModel.loss_function`` with
+``ForCausalLMLoss``'s arguments (``logits``, ``labels``, ``vocab_size``,
+``num_items_in_batch``). Not
 supported: ``nn.DataParallel`` (``n_gpu > 1``; launch one process per device instead),
 SageMaker model parallelism, and tensor, context or sequence parallelism (whose data-parallel
 group is not the world).
@@ -47,12 +52,15 @@ group is not the world).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator, Mapping
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
 from transformers import Trainer
-from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+from transformers.modeling_utils import PreTrainedModel
+from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils.import_utils import is_sagemaker_mp_enabled
 
 from ..accumulator import Accumulator
@@ -201,11 +209,21 @@ class LossweightTrainer(_WeightedSteps):
                 # Trainer's own rule for num_items_in_batch: the collator's shifted labels, or
                 # the labels from position 1 on when the model's loss shifts them.
                 shifted = batch.get("shift_labels")
-                tokens.append(
-                    count_tokens(shifted, ignore_index=IGNORE_INDEX)
-                    if isinstance(shifted, torch.Tensor)
-                    else count_tokens(labels, ignore_index=IGNORE_INDEX, shift=self._shifts_labels)
-                )
+                if isinstance(shifted, torch.Tensor):
+                    tokens.append(count_tokens(shifted, ignore_index=IGNORE_INDEX))
+                elif labels.dim() < 2 or self._shifts_labels is not None:  # a row's one label
+                    shift = bool(self._shifts_labels) and labels.dim() >= 2
+                    tokens.append(count_tokens(labels, ignore_index=IGNORE_INDEX, shift=shift))
+                elif self.accumulator.options.weight_by == "tokens":
+                    raise ValueError(
+                        "LossweightTrainer(weight_by='tokens') counts the labels each "
+                        "position's loss compares with, and cannot tell whether the loss of "
+                        f"{type(self.model).__name__} shifts them: it is not a transformers "
+                        "model with a loss_function, nor holds exactly one; let the data "
+                        "collator return 'shift_labels' (each position's target, -100 where "
+                        "none), which are counted as given, or give the model a transformers "
+                        "loss_function"
+                    )
         counts: dict[str, list[int] | list[torch.Tensor]] = {}
         if len(samples) == len(batches):
             counts["num_samples"] = samples
@@ -277,16 +295,44 @@ def _is_deepspeed(trainer: Trainer) -> bool:
     return bool(getattr(trainer, "is_deepspeed_enabled", False))
 
 
-def _loss_shifts_labels(trainer: Trainer) -> bool:
-    """Whether the model's loss shifts the labels, as Trainer decides it for its counts."""
-    shifts = getattr(trainer, "_loss_shifts_labels", None)
-    if isinstance(shifts, bool):
-        return shifts
-    model = trainer.model
-    config = getattr(model, "config", None)
-    loss_type = getattr(model, "loss_type", None)
-    causal = isinstance(loss_type, str) and LOSS_MAPPING.get(loss_type) is ForCausalLMLoss
-    return causal and not getattr(config, "is_encoder_decoder", False)
+def _loss_shifts_labels(trainer: Trainer) -> bool | None:
+    """Whether the model's loss shifts the labels, read from its loss function, which is
+    called once on two positions (None where the model has no loss function to read: a
+    model that is not a transformers model and holds none, or several)."""
+    model: torch.nn.Module = unwrap_peft_model(trainer.model)  # type: ignore[no-untyped-call]
+    outermost: list[tuple[str, PreTrainedModel]] = []
+    for name, module in model.named_modules():  # each module after those that hold it
+        held = any(not kept or name.startswith(f"{kept}.") for kept, _ in outermost)
+        if isinstance(module, PreTrainedModel) and not held:
+            outermost.append((name, module))
+    if len(outermost) != 1:
+        return None
+    inner = outermost[0][1]
+    if getattr(getattr(inner, "config", None), "is_encoder_decoder", False):
+        # Aligned with targets the decoder's inputs are shifted from: every label counts.
+        return False
+    return _shifts(inner.loss_function)
+
+
+def _shifts(loss_function: Any) -> bool | None:
+    """Whether ``loss_function`` (a causal or masked LM's signature, or a token classifier's)
+    compares position ``i`` with label ``i + 1``: on labels ``[[0, -100]]`` over zero logits of
+    2 classes, the sum over its items is 0 if it shifts (its one label falls off), log 2 if it
+    does not; None for another loss."""
+    logits = torch.zeros(1, 2, 2, dtype=torch.float64)
+    labels = torch.tensor([[0, IGNORE_INDEX]])
+    config = SimpleNamespace(num_labels=2, vocab_size=2, problem_type=None)
+    arguments = {"vocab_size": 2, "config": config, "num_items_in_batch": 1}
+    try:
+        loss = loss_function(logits=logits, labels=labels, **arguments)
+    except Exception:  # another loss's signature: a classifier's, a detector's
+        return None
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        return None
+    value = float(loss)  # once, when the trainer is made, on the CPU
+    if value == 0.0:
+        return True
+    return False if math.isclose(value, math.log(2), rel_tol=1e-5) else None
 
 
 def _check_supported(trainer: Trainer) -> None:
