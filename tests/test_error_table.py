@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import builtins
 import re
 from pathlib import Path
 
@@ -118,3 +120,107 @@ def test_every_code_without_a_row_has_a_test(code: str) -> None:
     assert any(fragment in words for words in re.split(r"\{[^}]*\}", templates[code]))
     assert [c for c, template in templates.items() if fragment in template] == [code]
     assert fragment in (PAGE.parent.parent / "tests" / test_file).read_text()
+
+
+# Every exception the package raises takes its message from the table. Walking each raise:
+# - `raise error(code, ...)` makes a new exception from the table;
+# - a bare `raise`, and `raise name` (or `raise self.attribute`, `raise errors[0]`), raise again
+#   an exception that was made before: caught from a call, or kept to raise at every later use;
+#   the rule below checks where those were made;
+# - `raise X(...)` or `raise X` with X an exception class words its own message: refused.
+# `from` changes none of that: `raise ValueError("...") from e` is a new message too.
+# Building an exception by hand anywhere (returned, stored, then raised) is refused as well, and
+# the text of a check that runs on a device (the message given to assert_true, untraced or
+# check_zero_gradients) must come from device_message(), directly or through a variable.
+PACKAGE = PAGE.parent.parent / "lossweight"
+EXCEPTIONS = {
+    name
+    for name, value in vars(builtins).items()
+    if isinstance(value, type) and issubclass(value, BaseException)
+} | {"DisagreementError"}
+DEVICE_CHECKS = {"assert_true": 1, "untraced": 0, "check_zero_gradients": 1}  # the message's place
+TABLE_CALLS = {"error", "device_message"}
+
+
+def _called(node: ast.AST) -> str | None:
+    """The name a call calls: f for f(...), and m.f(...) alike."""
+    if not isinstance(node, ast.Call):
+        return None
+    func = node.func
+    return func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+
+
+def _worded_here(node: ast.AST, assigned: dict[str, list[ast.AST]], seen: set[str]) -> bool:
+    """Whether ``node`` builds text of its own (a string literal or an f-string) outside
+    device_message(); a name counts as every value assigned to it in the module."""
+    if _called(node) == "device_message":
+        return False
+    if isinstance(node, ast.JoinedStr) or (
+        isinstance(node, ast.Constant) and isinstance(node.value, str)
+    ):
+        return True
+    if isinstance(node, ast.Name) and node.id not in seen:
+        seen.add(node.id)
+        return any(_worded_here(value, assigned, seen) for value in assigned.get(node.id, []))
+    return any(_worded_here(child, assigned, seen) for child in ast.iter_child_nodes(node))
+
+
+def _inline_messages(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    assigned: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    assigned.setdefault(target.id, []).append(node.value)
+    found = []
+    raised = {id(node.exc) for node in ast.walk(tree) if isinstance(node, ast.Raise)}
+    for node in ast.walk(tree):
+        where = f"{path.relative_to(PACKAGE.parent)}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            exc = node.exc
+            if not (
+                _called(exc) in TABLE_CALLS
+                or (
+                    isinstance(exc, ast.Name | ast.Attribute | ast.Subscript)
+                    and getattr(exc, "id", getattr(exc, "attr", None)) not in EXCEPTIONS
+                )
+            ):
+                found.append(f"{where}: raise {ast.unparse(exc)[:70]}")
+        elif _called(node) in EXCEPTIONS and id(node) not in raised:
+            found.append(f"{where}: {ast.unparse(node)[:70]}")
+        elif isinstance(node, ast.Call) and _called(node) in DEVICE_CHECKS:
+            place = DEVICE_CHECKS[_called(node) or ""]
+            given = [*node.args[place : place + 1], *(k.value for k in node.keywords)]
+            if any(_worded_here(message, assigned, set()) for message in given):
+                found.append(f"{where}: {ast.unparse(node)[:70]}")
+    return found
+
+
+def _codes_used(path: Path) -> set[str]:
+    return {
+        node.args[0].value
+        for node in ast.walk(ast.parse(path.read_text()))
+        if _called(node) in TABLE_CALLS
+        and isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+    }
+
+
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "errors.py")
+
+
+def test_every_raise_of_the_package_takes_its_message_from_the_table() -> None:
+    assert len(MODULES) > 20
+    inline = [found for path in MODULES for found in _inline_messages(path)]
+    assert not inline, "messages worded outside lossweight.errors.MESSAGES:\n" + "\n".join(inline)
+
+
+def test_every_code_of_the_table_is_raised_somewhere() -> None:
+    used = set().union(*map(_codes_used, MODULES))
+    assert used <= set(lossweight.errors.MESSAGES), sorted(used - set(lossweight.errors.MESSAGES))
+    unused = set(lossweight.errors.MESSAGES) - used
+    assert not unused, f"codes of the table that nothing raises: {sorted(unused)}"
