@@ -973,6 +973,63 @@ def accelerate_misuse_run(rank: int, world_size: int) -> dict:
     return outcome
 
 
+def accelerate_refusals_run(rank: int, world_size: int) -> dict[str, str]:
+    """The AcceleratorAccumulator's refusals before its step: an Accelerator that sees one
+    process on a default group of ``world_size`` ranks, a model never given, and
+    gradient_accumulation_steps changed after construction."""
+    from accelerate import Accelerator
+
+    from lossweight.integrations.accelerate import AcceleratorAccumulator
+
+    warnings.filterwarnings("ignore")
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MISUSE_WINDOW)
+    model = accelerator.prepare(make_model(7))
+    _, (mb, *_) = misuse_windows()[0]
+    refused = {}
+    for case in ("other_world", "no_model", "steps_changed"):
+        lw = AcceleratorAccumulator(
+            accelerator, None if case == "no_model" else model, loss_reduction="sum"
+        )
+        if case == "steps_changed":
+            accelerator.gradient_accumulation_steps = MISUSE_WINDOW + 1
+        try:
+            with lw.accumulate():
+                lw.scale_loss(microbatch_loss(model, mb, "tokens", "sum"), num_tokens=mb.num_tokens)
+            refused[case] = "nothing"
+        except (RuntimeError, ValueError) as raised:
+            refused[case] = f"{type(raised).__name__}: {raised}"
+    return refused
+
+
+def accelerate_under_deepspeed_run(rank: int, world_size: int, port: int) -> str:
+    """A scale-after step under accelerate's DeepSpeed engine, in a process of its own (an
+    Accelerator's state is process-wide): refused at its first scale_loss()."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        ACCELERATE_USE_DEEPSPEED="true",
+    )
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    from lossweight.integrations.accelerate import AcceleratorAccumulator
+
+    warnings.filterwarnings("ignore")
+    plugin = DeepSpeedPlugin(zero_stage=0, gradient_accumulation_steps=MISUSE_WINDOW)
+    accelerator = Accelerator(deepspeed_plugin=plugin)
+    model = make_model(7)
+    lw = AcceleratorAccumulator(accelerator, model, loss_reduction="sum")
+    _, (mb, *_) = misuse_windows()[0]
+    try:
+        lw.scale_loss(microbatch_loss(model, mb, "tokens", "sum"), num_tokens=mb.num_tokens)
+    except RuntimeError as raised:
+        return str(raised)
+    return "nothing"
+
+
 # --------------------------------------------------------------------------------------------
 # torch.compile
 # --------------------------------------------------------------------------------------------

@@ -83,6 +83,35 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     "reduce_abandoned": ("test_testing.py", "was abandoned when a run of this group failed"),
     "rank_failed": ("test_testing.py", "abandoned: another rank failed"),
     "reduce_timed_out": ("test_testing.py", "did not start it within"),
+    "accelerate_deepspeed": (
+        "test_integration_misuse.py",
+        "under DeepSpeed, accelerator.backward() steps the optimizer",
+    ),
+    "accelerate_backward_missing": (
+        "test_integration_misuse.py",
+        "losses that scale_loss() returned",
+    ),
+    "accelerate_no_model": (
+        "test_integration_misuse.py",
+        "AcceleratorAccumulator needs the prepared model",
+    ),
+    "accelerate_window_changed": (
+        "test_integration_misuse.py",
+        "AcceleratorAccumulator after changing it",
+    ),
+    "accelerate_world": ("test_integration_misuse.py", "Accelerator's data-parallel world"),
+    "accelerate_unended": (
+        "test_integration_misuse.py",
+        "end_if_sync() was not called to rescale them",
+    ),
+    "lightning_not_backpropagated": (
+        "test_integration_misuse.py",
+        "losses that LossweightCallback.scale_loss() returned",
+    ),
+    "lightning_unweighted_backward": (
+        "test_integration_misuse.py",
+        "a backward() during training went through no loss that",
+    ),
 }
 
 
