@@ -2,7 +2,8 @@
 
 This module imports nothing. :func:`error` makes a host error from a code and the values its
 message names; a check on a device or in a compiled graph takes its fixed text from
-:func:`device_message`, so both say the same words. docs/errors.md lists an input for each code.
+:func:`device_message`, so both say the same words. docs/errors.md lists an input for each code
+that one line in one process raises; tests/test_error_table.py names the test of each other one.
 """
 
 from __future__ import annotations
