@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _torch
+from .errors import device_message, error
 
 
 def count_tokens(
@@ -99,10 +100,7 @@ def token_cross_entropy(
     microbatch is exact. The count is that of :func:`count_tokens` with the same arguments.
     """
     if logits.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"logits has shape {tuple(logits.shape)} and labels {tuple(labels.shape)}; logits "
-            "must have the labels' shape plus a last dimension for the vocabulary"
-        )
+        raise error("logits_shape", logits=tuple(logits.shape), labels=tuple(labels.shape))
     targets = _targets(labels, ignore_index, shift, mask, position_ids, cu_seqlens)[0]
     if shift:
         logits, labels = logits[..., :-1, :], labels[..., 1:]
@@ -169,17 +167,16 @@ def aggregate(
     tokens here over all its tokens), a float64 to give as ``weight_sum`` (a Term weighted by
     ``"weight_sum"``), so that every rank that holds part of a sequence weighs its part."""
     if mode not in _WEIGHT_BY:
-        raise ValueError(f"mode={mode!r} is not supported; pass one of {', '.join(_WEIGHT_BY)}")
+        raise error(
+            "bad_option", name="mode", value=mode, expected=f"one of {', '.join(_WEIGHT_BY)}"
+        )
     norm = mode == "seq-mean-token-sum-norm"
     if norm != (max_length is not None):
-        raise ValueError(
-            f"max_length={max_length!r} with mode={mode!r}: pass max_length (the constant "
-            "each sequence's token sum is divided by) with 'seq-mean-token-sum-norm' only"
-        )
+        raise error("max_length_mode", value=max_length, mode=mode)
     if norm and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
-        raise ValueError(f"max_length={max_length!r}; pass a positive int")
+        raise error("bad_max_length", value=max_length)
     if mask.dim() == 0:
-        raise ValueError("mask is a 0-dim tensor; pass a mask of shape (..., sequence)")
+        raise error("zero_dim", name="mask", what="a mask")
     expected: tuple[int, ...] = tuple(mask.shape)
     if positions is not None:
         _check_positions(positions)
@@ -189,33 +186,22 @@ def aggregate(
             expected = (*mask.shape[:-1], len(range(mask.shape[-1])[positions]))
         else:  # a tensor of indices, on any device: its size, not its values
             expected = (*mask.shape[:-1], positions.numel())
-            _torch.assert_true(
-                held.sum() == positions.numel(),
-                "positions holds a position twice; pass each position this rank holds once",
-            )
+            twice = device_message("positions_twice")
+            _torch.assert_true(held.sum() == positions.numel(), twice)
     if token_losses.shape != expected:
-        raise ValueError(
-            f"token_losses has shape {tuple(token_losses.shape)} but mask "
-            f"{tuple(mask.shape)}{'' if positions is None else f' at positions={positions!r}'}"
-            "; pass one loss per token of the mask (at the positions given)"
+        at = "" if positions is None else f" at positions={positions!r}"
+        raise error(
+            "token_losses_shape", shape=tuple(token_losses.shape), mask=tuple(mask.shape), at=at
         )
-    _torch.assert_true(
-        ((mask == 0) | (mask == 1)).all(),
-        "mask holds values other than 0 and 1; pass 1 where a token counts, 0 where it does not",
-    )
+    _torch.assert_true(((mask == 0) | (mask == 1)).all(), device_message("mask_values"))
     targets = mask != 0
     starts = _sequence_starts(targets, position_ids, cu_seqlens, name="mask")
     sequence_mode = mode != "token-mean"
     if sequence_mode and position_ids is not None:
         # A counted token before any start continues a sequence begun in another microbatch
         # (or row), whose mean would be counted once per piece.
-        _torch.assert_true(
-            ((starts.cumsum(dim=-1) > 0) | ~targets).all(),
-            "a row of mask begins inside a sequence (its first counted tokens come before any "
-            "position_ids of 0): a per-sequence mean would count that sequence once per piece; "
-            "keep each sequence in one microbatch, or pass the whole sequence's mask and "
-            "position_ids with the positions= this piece holds, which counts its share",
-        )
+        begun = (starts.cumsum(dim=-1) > 0) | ~targets
+        _torch.assert_true(begun.all(), device_message("sequence_split"))
     shared = sequence_mode and positions is not None
     sizes, first = _sequences(targets, starts, sizes=mode == "seq-mean-token-mean" or shared)
     losses = token_losses.to(torch.promote_types(token_losses.dtype, torch.float32))
@@ -240,20 +226,11 @@ def _check_positions(positions: object) -> None:
     if isinstance(positions, slice):
         return
     if not isinstance(positions, torch.Tensor):
-        raise TypeError(
-            f"positions={positions!r} is not a slice or a tensor; pass the positions of the last "
-            "dimension this rank's losses are of, as a slice or a 1-D integer tensor"
-        )
+        raise error("positions_type", value=positions)
     if positions.dtype in (torch.bool, torch.uint8):  # torch indexes with either as a mask
-        raise TypeError(
-            f"positions is a mask ({positions.dtype}); pass the indices it selects, "
-            "positions.nonzero().squeeze(-1), in the order of this rank's losses"
-        )
+        raise error("positions_mask", dtype=positions.dtype)
     if positions.is_floating_point() or positions.is_complex() or positions.dim() != 1:
-        raise TypeError(
-            f"positions has dtype {positions.dtype} and {positions.dim()} dimensions; pass a "
-            "1-D integer tensor of indices of the mask's last dimension"
-        )
+        raise error("positions_dtype", dtype=positions.dtype, dimensions=positions.dim())
 
 
 def _sequences(
@@ -293,22 +270,13 @@ def _targets(
     """Bool tensors of the (shifted) labels' shape: which positions are targets, and which
     begin a sequence of a packed row."""
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise TypeError(
-            f"labels has dtype {labels.dtype}, but labels are class indices; pass an integer "
-            "tensor (token ids, with ignore_index where there is no target)"
-        )
+        raise error("labels_dtype", dtype=labels.dtype)
     if labels.dim() == 0:
-        raise ValueError("labels is a 0-dim tensor; pass labels of shape (..., sequence)")
+        raise error("zero_dim", name="labels", what="labels")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(
-            f"ignore_index={ignore_index!r} is not an int; pass the label of the positions "
-            "without a target (-100, the default of PyTorch and Hugging Face)"
-        )
+        raise error("ignore_index_type", value=ignore_index)
     if mask is not None and mask.shape != labels.shape:
-        raise ValueError(
-            f"mask has shape {tuple(mask.shape)} but labels {tuple(labels.shape)}; pass a mask "
-            "of the labels' shape (1 where a token counts, 0 where it does not)"
-        )
+        raise error("mask_shape", shape=tuple(mask.shape), labels=tuple(labels.shape))
     starts = _sequence_starts(labels, position_ids, cu_seqlens)
     if shift:
         labels = labels[..., 1:]  # a row of one position has no target, as in Hugging Face
@@ -330,46 +298,30 @@ def _sequence_starts(
     """Where a sequence of a packed row begins (none marked for unpacked rows); ``labels``
     gives the shape, and is called ``name`` in messages."""
     if position_ids is not None and cu_seqlens is not None:
-        raise ValueError(
-            "position_ids and cu_seqlens were both given; pass one of them to say where the "
-            "sequences of a packed row begin"
-        )
+        raise error("packing_both")
     for argument, value in (("position_ids", position_ids), ("cu_seqlens", cu_seqlens)):
         if value is not None and not isinstance(value, torch.Tensor):
-            raise TypeError(f"{argument}={value!r} is not a tensor; pass an integer tensor")
+            raise error("packing_type", name=argument, value=value)
     if isinstance(position_ids, torch.Tensor):
         if position_ids.shape != labels.shape:
-            raise ValueError(
-                f"position_ids has shape {tuple(position_ids.shape)} but {name} "
-                f"{tuple(labels.shape)}; pass the position ids of the {name}' tokens (0 where "
-                "a sequence begins)"
-            )
+            shape = tuple(position_ids.shape)
+            raise error("position_ids_shape", shape=shape, name=name, labels=tuple(labels.shape))
         return position_ids == 0
     starts = torch.zeros(labels.numel(), dtype=torch.bool, device=labels.device)
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.numel() < 2:
-            raise ValueError(
-                f"cu_seqlens has shape {tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}; "
-                f"pass the cumulative sequence lengths of the flattened {name} as a 1-D "
-                "integer tensor: 0, then the end of each sequence"
-            )
+            shape = tuple(cu_seqlens.shape)
+            raise error("cu_seqlens_shape", shape=shape, dtype=cu_seqlens.dtype, name=name)
         ends = cu_seqlens.to(labels.device, torch.int64)
         valid = (ends[0] == 0) & (ends[-1] == labels.numel()) & (ends.diff() >= 0).all()
-        message = (
-            f"cu_seqlens must start at 0 and end at the {name}' {labels.numel()} tokens, "
-            f"increasing; pass the cumulative sequence lengths of the flattened {name}"
-        )
-        _torch.assert_true(valid, message)  # without a host read
+        ends_message = device_message("cu_seqlens_ends", name=name, tokens=labels.numel())
+        _torch.assert_true(valid, ends_message)  # without a host read
         # One slot past the end takes the start of an empty last sequence.
         past = torch.zeros(labels.numel() + 1, dtype=torch.bool, device=labels.device)
         past[ends[:-1].clamp(0, labels.numel())] = True
         starts = past[:-1]
         # Each row is read on its own (the shift included), so no sequence may cross rows.
         row_starts = starts.view(-1, labels.shape[-1])[:, 0] if labels.numel() else starts
-        message = (
-            f"cu_seqlens must begin a sequence at the first token of every row of the {name} "
-            f"(a multiple of {labels.shape[-1]}): a sequence may not cross rows; flatten the "
-            f"{name} to one row, or give each row its own sequences"
-        )
-        _torch.assert_true(row_starts.all(), message)
+        rows_message = device_message("cu_seqlens_rows", name=name, length=labels.shape[-1])
+        _torch.assert_true(row_starts.all(), rows_message)
     return starts.view(labels.shape)

@@ -185,7 +185,7 @@ class Reduction:
 
     def _check_on_host(self, checked: torch.Tensor) -> None:
         try:
-            _torch.assert_true(checked.all(), "lossweight: the ranks disagree")
+            _torch.assert_true(checked.all(), device_message("disagree", field="a check"))
         except RuntimeError:
             self._fail(checked, self._payload)
 

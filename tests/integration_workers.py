@@ -991,6 +991,115 @@ def accelerate_misuse_run(rank: int, world_size: int) -> dict:
     return outcome
 
 
+def hf_refusals_run(rank: int, world_size: int, tmp: str) -> dict[str, str]:
+    """LossweightTrainer's refusals, in a process of its own (a Trainer's Accelerator state is
+    process-wide): batches it cannot count, parallelism it cannot weight over, and a training
+    step whose loss no step weighted."""
+    from transformers import TrainingArguments
+
+    from lossweight.integrations.hf import LossweightTrainer
+
+    warnings.filterwarnings("ignore")
+    model = torch.nn.Linear(2, 2)
+
+    def arguments(kind: type[TrainingArguments] = TrainingArguments) -> TrainingArguments:
+        return kind(output_dir=tmp, use_cpu=True, report_to=[])
+
+    class TensorParallel(LossweightTrainer):
+        def get_tp_size(self) -> int:
+            return 2
+
+    class TwoDevices(TrainingArguments):
+        """One process driving two GPUs, which Trainer wraps in nn.DataParallel."""
+
+        @property
+        def n_gpu(self) -> int:
+            return 2
+
+    class Unscaled(LossweightTrainer):
+        """A compute_loss that bypasses the Accumulator."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return model(inputs["x"]).sum()
+
+    refused = {}
+
+    def attempt(case: str, run: Any) -> None:
+        try:
+            run()
+            refused[case] = "nothing"
+        except (TypeError, ValueError, RuntimeError, NotImplementedError) as raised:
+            refused[case] = f"{type(raised).__name__}: {raised}"
+
+    trainer = LossweightTrainer(model=model, args=arguments())
+    cpu = torch.device("cpu")
+    attempt("not_a_dict", lambda: trainer.get_batch_samples(iter([("ids",)]), 1, cpu))
+    no_labels = {"attention_mask": torch.ones(1, 2)}
+    attempt("no_labels", lambda: trainer.get_batch_samples(iter([no_labels]), 1, cpu))
+    attempt("tensor_parallel", lambda: TensorParallel(model=model, args=arguments()))
+    attempt("data_parallel", lambda: LossweightTrainer(model=model, args=arguments(TwoDevices)))
+    unscaled = Unscaled(model=model, args=arguments())
+    attempt("outside_step", lambda: unscaled.training_step(model, {"x": torch.ones(1, 2)}))
+    return refused
+
+
+def accelerate_refusals_run(rank: int, world_size: int) -> dict[str, str]:
+    """The AcceleratorAccumulator's refusals before its step: an Accelerator that sees one
+    process on a default group of ``world_size`` ranks, a model never given, and
+    gradient_accumulation_steps changed after construction."""
+    from accelerate import Accelerator
+
+    from lossweight.integrations.accelerate import AcceleratorAccumulator
+
+    warnings.filterwarnings("ignore")
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MISUSE_WINDOW)
+    model = accelerator.prepare(make_model(7))
+    _, (mb, *_) = misuse_windows()[0]
+    refused = {}
+    for case in ("other_world", "no_model", "steps_changed"):
+        lw = AcceleratorAccumulator(
+            accelerator, None if case == "no_model" else model, loss_reduction="sum"
+        )
+        if case == "steps_changed":
+            accelerator.gradient_accumulation_steps = MISUSE_WINDOW + 1
+        try:
+            with lw.accumulate():
+                lw.scale_loss(microbatch_loss(model, mb, "tokens", "sum"), num_tokens=mb.num_tokens)
+            refused[case] = "nothing"
+        except (RuntimeError, ValueError) as raised:
+            refused[case] = f"{type(raised).__name__}: {raised}"
+    return refused
+
+
+def accelerate_under_deepspeed_run(rank: int, world_size: int, port: int) -> str:
+    """A scale-after step under accelerate's DeepSpeed engine, in a process of its own (an
+    Accelerator's state is process-wide): refused at its first scale_loss()."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        ACCELERATE_USE_DEEPSPEED="true",
+    )
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    from lossweight.integrations.accelerate import AcceleratorAccumulator
+
+    warnings.filterwarnings("ignore")
+    plugin = DeepSpeedPlugin(zero_stage=0, gradient_accumulation_steps=MISUSE_WINDOW)
+    accelerator = Accelerator(deepspeed_plugin=plugin)
+    model = make_model(7)
+    lw = AcceleratorAccumulator(accelerator, model, loss_reduction="sum")
+    _, (mb, *_) = misuse_windows()[0]
+    try:
+        lw.scale_loss(microbatch_loss(model, mb, "tokens", "sum"), num_tokens=mb.num_tokens)
+    except RuntimeError as raised:
+        return str(raised)
+    return "nothing"
+
+
 # --------------------------------------------------------------------------------------------
 # torch.compile
 # --------------------------------------------------------------------------------------------

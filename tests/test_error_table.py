@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import builtins
 import re
 from pathlib import Path
 
@@ -18,6 +20,7 @@ ERRORS = {
     "ValueError": ValueError,
     "RuntimeError": RuntimeError,
     "DisagreementError": lossweight.DisagreementError,
+    "AssertionError": AssertionError,
 }
 
 
@@ -40,33 +43,75 @@ def test_row(row: dict[str, str]) -> None:
     assert row["message"] in str(raised.value)
 
 
-# Codes no single-process row can raise: ranks that disagree (tests/test_faults.py and
-# tests/test_device_checks.py), the fragments of their message, counts on two accelerators, and
-# the checks inside a compiled graph that the rows above do not reach (tests/test_compile.py).
-ELSEWHERE = {
-    "cannot_be_reduced",
-    "differ_step",
-    "differ_call",
-    "differ_mode",
-    "differ_choice",
-    "differ_terms",
-    "differ_divisor",
-    "differ_carried",
-    "differ_estimate",
-    "other_thread",
-    "group_destroyed",
-    "pending_elsewhere",
-    "disagree",
-    "total_too_large",
-    "devices_differ",
-    "graph_asserts",
-    "mesh_unnamed",  # a DeviceMesh needs a process group: tests/test_mesh.py
-    "mesh_model_parallel",
-    "not_the_loss_stage",
-    "clip_pipeline",
-    "pipeline_unset",
-    "peers_differ",  # tensor-parallel ranks need a mesh of processes: tests/test_mesh.py
-    "peer_refused",  # a peer's refusal needs a second process: tests/test_faults.py
+# Codes that no row of the page raises, each with the test that asserts its message: that test's
+# file and a fragment of the message it asserts (test_every_code_without_a_row_has_a_test checks
+# both). A row is one line in one process: these need ranks that disagree, a mesh of processes,
+# two accelerators, a compiled graph, a torch without graph asserts, or a failure inside
+# InProcessGroup.run(), which raises the first rank's error, not the one its peers then see.
+ELSEWHERE: dict[str, tuple[str, str]] = {
+    "cannot_be_reduced": ("test_faults.py", "lossweight step "),
+    "differ_step": ("test_faults.py", "this rank is at step"),
+    "differ_call": ("test_faults.py", "this rank reduces for"),
+    "differ_mode": ("test_faults.py", "call begin(parameters=...) and end() as the other ranks do"),
+    "differ_choice": ("test_faults.py", "% of the ranks have"),
+    "differ_terms": ("test_declarations.py", "the ranks differ in their loss terms"),
+    "differ_divisor": ("test_device_checks.py", "the ranks differ in grad_reduction"),
+    "differ_carried": ("test_faults.py", "% of the ranks' reductions carry the loss"),
+    "differ_estimate": ("test_faults.py", "the ranks differ in the estimate of W"),
+    "other_thread": ("test_hardening.py", "another thread was inside a call"),
+    "group_destroyed": (
+        "test_faults.py",
+        "was destroyed (torch.distributed.destroy_process_group())",
+    ),
+    "pending_elsewhere": (
+        "test_faults.py",
+        "call flush() on every rank before tearing a process group down",
+    ),
+    "disagree": ("test_integrations.py", "the data-parallel ranks disagree on"),
+    "devices_differ": ("test_errors.py", "are on different devices"),
+    "graph_asserts": ("test_compile.py", "inside torch.compile needs torch 2.9"),
+    "mesh_unnamed": ("test_mesh.py", "of several dimensions without names"),
+    "mesh_model_parallel": ("test_mesh.py", "whose ranks hold the same data"),
+    "not_the_loss_stage": ("test_mesh.py", "whose pipeline stage is not the last one"),
+    "clip_pipeline": ("test_mesh.py", "under pipeline= each stage holds a part of the model"),
+    "pipeline_unset": ("test_mesh.py", "to infer a stage's shapes"),
+    "peers_differ": ("test_mesh.py", "which group= does not span, gave different counts"),
+    "peer_refused": ("test_device_checks.py", "ranks of the reduction refused to end this step"),
+    "split_ranks": ("test_testing.py", "which are the ranks of every split"),
+    "checks_differ": ("test_testing.py", "called assert_split_invariant with other"),
+    "context_parallel_processes": ("test_testing.py", "simulates ranks in one process"),
+    "reduce_abandoned": ("test_testing.py", "was abandoned when a run of this group failed"),
+    "rank_failed": ("test_testing.py", "abandoned: another rank failed"),
+    "reduce_timed_out": ("test_testing.py", "did not start it within"),
+    "accelerate_deepspeed": (
+        "test_integration_misuse.py",
+        "under DeepSpeed, accelerator.backward() steps the optimizer",
+    ),
+    "accelerate_backward_missing": (
+        "test_integration_misuse.py",
+        "losses that scale_loss() returned",
+    ),
+    "accelerate_no_model": (
+        "test_integration_misuse.py",
+        "AcceleratorAccumulator needs the prepared model",
+    ),
+    "accelerate_window_changed": (
+        "test_integration_misuse.py",
+        "AcceleratorAccumulator after changing it",
+    ),
+    "accelerate_world": ("test_integration_misuse.py", "Accelerator's data-parallel world"),
+    "accelerate_unended": (
+        "test_integration_misuse.py",
+        "end_if_sync() was not called to rescale them",
+    ),
+    "lightning_not_backpropagated": (
+        "test_integration_misuse.py",
+        "losses that LossweightCallback.scale_loss() returned",
+    ),
+    "lightning_unweighted_backward": (
+        "test_integration_misuse.py",
+        "a backward() during training went through no loss that",
+    ),
 }
 
 
@@ -89,11 +134,122 @@ def test_every_code_of_the_table_has_a_row() -> None:
         with pytest.raises(Exception) as info:
             exec(row["code"], namespace)
         codes = code_of(info.value)
-        if row["code"].startswith(("lossweight.count_tokens", "lossweight.aggregate")) or (
-            "token_cross_entropy" in row["code"]
-        ):
-            continue  # the counting helpers' own errors
         assert codes, f"{row['code']} raised {info.value!r}, which no code of the table makes"
         raised |= codes
-    missing = set(lossweight.errors.MESSAGES) - raised - ELSEWHERE
+    missing = set(lossweight.errors.MESSAGES) - raised - set(ELSEWHERE)
     assert not missing, f"codes without a row in docs/errors.md: {sorted(missing)}"
+    assert not raised & set(ELSEWHERE), "a code with a row needs no other test"
+
+
+@pytest.mark.parametrize("code", ELSEWHERE)
+def test_every_code_without_a_row_has_a_test(code: str) -> None:
+    test_file, fragment = ELSEWHERE[code]
+    templates = {c: template for c, (_, template) in lossweight.errors.MESSAGES.items()}
+    # A fragment of this message's fixed words, and of no other message's.
+    assert any(fragment in words for words in re.split(r"\{[^}]*\}", templates[code]))
+    assert [c for c, template in templates.items() if fragment in template] == [code]
+    assert fragment in (PAGE.parent.parent / "tests" / test_file).read_text()
+
+
+# Every exception the package raises takes its message from the table. Walking each raise:
+# - `raise error(code, ...)` makes a new exception from the table;
+# - a bare `raise`, and `raise name` (or `raise self.attribute`, `raise errors[0]`), raise again
+#   an exception that was made before: caught from a call, or kept to raise at every later use;
+#   the rule below checks where those were made;
+# - `raise X(...)` or `raise X` with X an exception class words its own message: refused.
+# `from` changes none of that: `raise ValueError("...") from e` is a new message too.
+# Building an exception by hand anywhere (returned, stored, then raised) is refused as well, and
+# the text of a check that runs on a device (the message given to assert_true, untraced or
+# check_zero_gradients) must come from device_message(), directly or through a variable.
+PACKAGE = PAGE.parent.parent / "lossweight"
+EXCEPTIONS = {
+    name
+    for name, value in vars(builtins).items()
+    if isinstance(value, type) and issubclass(value, BaseException)
+} | {"DisagreementError"}
+DEVICE_CHECKS = {"assert_true": 1, "untraced": 0, "check_zero_gradients": 1}  # the message's place
+TABLE_CALLS = {"error", "device_message"}
+
+
+def _called(node: ast.AST) -> str | None:
+    """The name a call calls: f for f(...), and m.f(...) alike."""
+    if not isinstance(node, ast.Call):
+        return None
+    func = node.func
+    return func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+
+
+def _worded_here(node: ast.AST, assigned: dict[str, list[ast.AST]], seen: set[str]) -> bool:
+    """Whether ``node`` builds text of its own (a string literal or an f-string) outside
+    device_message(); a name counts as every value assigned to it in the module."""
+    if _called(node) == "device_message":
+        return False
+    if isinstance(node, ast.JoinedStr) or (
+        isinstance(node, ast.Constant) and isinstance(node.value, str)
+    ):
+        return True
+    if isinstance(node, ast.Name) and node.id not in seen:
+        seen.add(node.id)
+        return any(_worded_here(value, assigned, seen) for value in assigned.get(node.id, []))
+    return any(_worded_here(child, assigned, seen) for child in ast.iter_child_nodes(node))
+
+
+def _inline_messages(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    assigned: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    assigned.setdefault(target.id, []).append(node.value)
+    found = []
+    raised = {id(node.exc) for node in ast.walk(tree) if isinstance(node, ast.Raise)}
+    for node in ast.walk(tree):
+        where = f"{path.relative_to(PACKAGE.parent)}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            exc = node.exc
+            if not (
+                _called(exc) in TABLE_CALLS
+                or (
+                    isinstance(exc, ast.Name | ast.Attribute | ast.Subscript)
+                    and getattr(exc, "id", getattr(exc, "attr", None)) not in EXCEPTIONS
+                )
+            ):
+                found.append(f"{where}: raise {ast.unparse(exc)[:70]}")
+        elif _called(node) in EXCEPTIONS and id(node) not in raised:
+            found.append(f"{where}: {ast.unparse(node)[:70]}")
+        elif isinstance(node, ast.Call) and _called(node) in DEVICE_CHECKS:
+            place = DEVICE_CHECKS[_called(node) or ""]
+            given = [*node.args[place : place + 1], *(k.value for k in node.keywords)]
+            if any(_worded_here(message, assigned, set()) for message in given):
+                found.append(f"{where}: {ast.unparse(node)[:70]}")
+    return found
+
+
+def _codes_used(path: Path) -> set[str]:
+    return {
+        node.args[0].value
+        for node in ast.walk(ast.parse(path.read_text()))
+        if _called(node) in TABLE_CALLS
+        and isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+    }
+
+
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "errors.py")
+
+
+def test_every_raise_of_the_package_takes_its_message_from_the_table() -> None:
+    assert len(MODULES) > 20
+    inline = [found for path in MODULES for found in _inline_messages(path)]
+    assert not inline, "messages worded outside lossweight.errors.MESSAGES:\n" + "\n".join(inline)
+
+
+def test_every_code_of_the_table_is_raised_somewhere() -> None:
+    used = set().union(*map(_codes_used, MODULES))
+    assert used <= set(lossweight.errors.MESSAGES), sorted(used - set(lossweight.errors.MESSAGES))
+    unused = set(lossweight.errors.MESSAGES) - used
+    assert not unused, f"codes of the table that nothing raises: {sorted(unused)}"

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lossweight import Accumulator
+from lossweight.steps import accelerator_of
 from lossweight.testing import InProcessGroup
 
 
@@ -193,3 +194,14 @@ def test_bad_losses(loss: object, error: type, message: str) -> None:
     acc.begin(num_tokens=[1])
     with pytest.raises(error, match=message):
         acc.scale_loss(loss)  # type: ignore[arg-type]
+
+
+def test_counts_on_two_accelerators_are_refused_naming_them() -> None:
+    # A machine with two accelerators makes it with counts on each; the check sees devices only.
+    devices = [torch.device("cuda", 1), torch.device("cpu"), torch.device("meta")]
+    with pytest.raises(ValueError) as refused:
+        accelerator_of("num_tokens", devices)
+    assert str(refused.value) == (
+        "num_tokens are on different devices (['cuda:1', 'meta']); put the counts on one device, "
+        "or on the CPU"
+    )

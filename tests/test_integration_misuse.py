@@ -10,6 +10,7 @@ padding and a microbatch without any target, both ranks' microbatches of a step 
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
@@ -178,3 +179,36 @@ def test_hf_the_shift_is_read_from_the_loss_function() -> None:
     assert _shifts(ForMaskedLMLoss) is False
     assert _shifts(ForTokenClassification) is False
     assert _shifts(lambda labels, logits, config: labels.sum()) is None  # a classifier's
+
+
+def test_accelerate_refuses_a_world_a_model_or_a_window_it_was_not_built_for() -> None:
+    # Two gloo ranks, where the Accelerator (cpu=True, no launcher) sees one process.
+    refused = values(run_ranks(2, workers.accelerate_refusals_run, deadline=90))
+    for seen in refused:
+        assert seen["other_world"] == (
+            "RuntimeError: the default process group has 2 ranks but the Accelerator 1 "
+            "processes; lossweight reduces over the default group, which must be the "
+            "Accelerator's data-parallel world"
+        )
+        assert seen["no_model"].startswith(
+            "ValueError: AcceleratorAccumulator needs the prepared model, to skip its gradient "
+            "synchronization and to rescale its gradients: pass it to the constructor"
+        )
+        assert seen["steps_changed"] == (
+            f"RuntimeError: accelerator.gradient_accumulation_steps changed from "
+            f"{workers.MISUSE_WINDOW} to {workers.MISUSE_WINDOW + 1}; build a new "
+            "AcceleratorAccumulator after changing it"
+        )
+
+
+def test_accelerate_under_deepspeed_refuses_to_scale_after() -> None:
+    with socket.socket() as probe:  # a free port for DeepSpeed's own process group
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (message,) = values(
+        run_ranks(1, workers.accelerate_under_deepspeed_run, port, init_group=False, deadline=120)
+    )
+    assert message.startswith(
+        "under DeepSpeed, accelerator.backward() steps the optimizer at the step's last "
+        "microbatch, before end() could rescale the gradients; count first"
+    )

@@ -167,6 +167,46 @@ def test_hf_resumes_with_other_accumulation_steps() -> None:
         assert phase["logged_losses"] == pytest.approx(phase["expected_losses"], rel=1e-4)
 
 
+def test_hf_refuses_what_it_cannot_count_or_weight_over() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        (refused,) = values(run_ranks(1, workers.hf_refusals_run, tmp, init_group=False))
+    assert refused["not_a_dict"] == (
+        "TypeError: LossweightTrainer counts the rows and labels of dict batches, but the data "
+        "collator returned a tuple; return a dict with 'labels' (and 'input_ids')"
+    )
+    assert refused["no_labels"] == (
+        "ValueError: LossweightTrainer(weight_by='tokens') counts each batch from a 'labels' "
+        "tensor, and a batch of this step has none; let the data collator return it"
+    )
+    assert refused["tensor_parallel"].startswith(
+        "NotImplementedError: LossweightTrainer weights over the whole world, which is the "
+        "data-parallel group only without tensor, context or sequence parallelism (here "
+        "{'tp': 2, 'cp': 1, 'sp': 1}); use lossweight.Accumulator(group="
+    )
+    assert refused["data_parallel"].startswith(
+        "ValueError: LossweightTrainer does not support nn.DataParallel (n_gpu=2): launch one "
+        "process per device"
+    )
+    assert refused["outside_step"] == (
+        "RuntimeError: Unscaled.training_step() ran outside a step: its steps begin before the "
+        "first loss of each optimizer step, from Trainer.train()"
+    )
+
+
+def test_hf_refuses_a_trainer_that_would_divide_the_weighted_loss_again() -> None:
+    code = (
+        "import transformers\n"
+        "del transformers.Trainer.loss_is_scaled_for_ga\n"
+        "import lossweight.integrations.hf\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert (
+        "ImportError: lossweight.integrations.hf needs a transformers whose Trainer has the "
+        "loss_is_scaled_for_ga attribute (5.24 and later); upgrade transformers"
+    ) in done.stderr, done.stderr
+
+
 # ------------------------------------------------------------------------------------------
 # accelerate and Lightning (tests/problem.py's fp64 model)
 # ------------------------------------------------------------------------------------------

@@ -533,6 +533,24 @@ def test_a_failed_run_leaves_the_group_clean() -> None:
     assert [t.tolist() for t in tensors] == [[5.0], [5.0]]
 
 
+def test_a_wait_in_a_run_where_another_rank_failed_fails_at_once() -> None:
+    group = InProcessGroup(2)
+    seen = []
+
+    def rank_1_fails(rank: int, collective: InProcessCollective) -> None:
+        if rank == 1:
+            raise ValueError("rank 1 fails before its all-reduce")
+        try:
+            collective.all_reduce_sum(torch.ones(1)).wait()
+        except RuntimeError as waited:
+            seen.append(str(waited))
+
+    with pytest.raises(ValueError, match="rank 1 fails before its all-reduce"):
+        group.run(rank_1_fails)
+    # Whether rank 1 failed before or after rank 0 began to wait.
+    assert seen == ["all-reduce 0 of rank 0 abandoned: another rank failed"]
+
+
 def test_run_is_not_reentrant() -> None:
     group = InProcessGroup(1)
     with pytest.raises(RuntimeError, match="already running: it is not reentrant; call it"):
@@ -611,6 +629,7 @@ def _under_gloo(rank: int, world_size: int) -> dict:
     for name, kwargs in (
         ("other_world", {"splits": default_splits(counts())}),
         ("other_examples", {"counts": counts()[: 7 if rank == 3 else 8]}),
+        ("context_parallel", {"context_parallel": 2}),
     ):
         rows = examples()[: len(kwargs.get("counts", LENGTHS))]
         try:
@@ -666,6 +685,10 @@ def test_under_torch_distributed_every_split_has_its_world_size(under_gloo: list
         "processes, which are the ranks of every split: give splits of 4 ranks, or leave "
         "splits out for default_splits(counts, world_size=4)"
     )
+    assert [outcome["context_parallel"] for outcome in under_gloo] == [
+        "context_parallel=2 simulates ranks in one process, but torch.distributed runs 4 "
+        "processes: run the check in one process"
+    ] * GLOO_WORLD
     # Rank 3 passes 7 examples, the others 8: every rank refuses, none hangs.
     assert [outcome["other_examples"] for outcome in under_gloo] == [
         f"rank {3 if rank < 3 else 0} called assert_split_invariant with other examples and "

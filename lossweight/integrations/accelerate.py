@@ -64,6 +64,7 @@ from accelerate import Accelerator  # type: ignore[import-untyped]  # ships no p
 from accelerate.utils import DistributedType  # type: ignore[import-untyped]
 
 from ..accumulator import Accumulator, Count, Counts, StepContext
+from ..errors import error
 from ..machine import COUNT_FIRST, SCALE_AFTER
 from ..result import StepResult
 from ..weighting import GradReduction, LossReduction
@@ -149,7 +150,7 @@ class AcceleratorAccumulator:
         step = self.accumulator.state.step  # the step machine's state: read, never copied
         if step is None or step.mode != COUNT_FIRST:
             if step is not None and step.number == self._unended:
-                raise _unended(step.number)
+                raise error("accelerate_unended", step=step.number)
             with self.accelerator.accumulate(model):
                 yield
             step = self.accumulator.state.step
@@ -178,11 +179,7 @@ class AcceleratorAccumulator:
         if not self.accumulator.step_open:
             self._check_world()
             if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-                raise RuntimeError(
-                    "under DeepSpeed, accelerator.backward() steps the optimizer at the step's "
-                    "last microbatch, before end() could rescale the gradients; count first: "
-                    "give the step's counts to begin() before its first microbatch"
-                )
+                raise error("accelerate_deepspeed")
             self.accumulator.begin(parameters=self._model(None).parameters())
             self._backpropagated = 0
             self._watch_optimizers()
@@ -200,13 +197,11 @@ class AcceleratorAccumulator:
         if not self.accelerator.sync_gradients or step is None:
             return None
         if step.mode == SCALE_AFTER and self._backpropagated < step.scaled:
-            raise RuntimeError(
-                f"end_if_sync() was called in step {step.number} when only "
-                f"{self._backpropagated} of the {step.scaled} losses that scale_loss() returned "
-                "had gone through accelerator.backward(): ending the step now rescales the "
-                "gradients without the later ones, which keep their provisional factors; call "
-                "end_if_sync() after accelerator.backward(lw.scale_loss(...)), before clipping "
-                "and optimizer.step()"
+            raise error(
+                "accelerate_backward_missing",
+                step=step.number,
+                backpropagated=self._backpropagated,
+                scaled=step.scaled,
             )
         self.result = self.accumulator.end()
         return self.result
@@ -251,28 +246,19 @@ class AcceleratorAccumulator:
     def _model(self, model: torch.nn.Module | None) -> Any:
         model = model if model is not None else self.model
         if model is None:
-            raise ValueError(
-                "AcceleratorAccumulator needs the prepared model, to skip its gradient "
-                "synchronization and to rescale its gradients: pass it to the constructor "
-                "(AcceleratorAccumulator(accelerator, model, ...)) or to accumulate(model)"
-            )
+            raise error("accelerate_no_model")
         return model
 
     def _check_world(self) -> None:
         if self.accelerator.gradient_accumulation_steps != self.gradient_accumulation_steps:
-            raise RuntimeError(
-                f"accelerator.gradient_accumulation_steps changed from "
-                f"{self.gradient_accumulation_steps} to "
-                f"{self.accelerator.gradient_accumulation_steps}; build a new "
-                "AcceleratorAccumulator after changing it"
+            raise error(
+                "accelerate_window_changed",
+                before=self.gradient_accumulation_steps,
+                now=self.accelerator.gradient_accumulation_steps,
             )
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world != self.accelerator.num_processes:
-            raise RuntimeError(
-                f"the default process group has {world} ranks but the Accelerator "
-                f"{self.accelerator.num_processes} processes; lossweight reduces over the "
-                "default group, which must be the Accelerator's data-parallel world"
-            )
+            raise error("accelerate_world", world=world, processes=self.accelerator.num_processes)
 
 
 def _before_step(reference: weakref.ref[AcceleratorAccumulator], optimizer: Any, *_: Any) -> None:
@@ -281,13 +267,4 @@ def _before_step(reference: weakref.ref[AcceleratorAccumulator], optimizer: Any,
     helper = reference()
     step = helper.accumulator.state.step if helper is not None else None
     if step is not None and step.mode == SCALE_AFTER:
-        raise _unended(step.number)
-
-
-def _unended(step: int) -> RuntimeError:
-    return RuntimeError(
-        f"the gradients of step {step} are still provisional: accelerate synchronized them at "
-        "its last microbatch, and end_if_sync() was not called to rescale them; call "
-        "lw.end_if_sync() after accelerator.backward() in every microbatch, before clipping and "
-        "optimizer.step()"
-    )
+        raise error("accelerate_unended", step=step.number)

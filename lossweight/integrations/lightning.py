@@ -47,6 +47,7 @@ import lightning.pytorch as pl
 import torch
 
 from ..accumulator import Accumulator, Count
+from ..errors import error
 from ..result import StepResult
 from ..weighting import GradReduction, LossReduction
 
@@ -129,11 +130,7 @@ class LossweightCallback(pl.Callback):
         if self._trainer is not None and not self._trainer.training:
             return loss
         if self.accumulator is None or not self.accumulator.step_open:
-            raise RuntimeError(
-                "LossweightCallback.scale_loss() was called outside a training batch; add the "
-                "callback to the Trainer (or return it from configure_callbacks()) so that it "
-                "begins each step in on_train_batch_start"
-            )
+            raise error("lightning_outside_batch")
         scaled = self.accumulator.scale_loss(loss, num_samples=num_samples, num_tokens=num_tokens)
         if scaled.requires_grad:
             scaled.register_hook(self._count_backpropagated)  # type: ignore[no-untyped-call]
@@ -145,15 +142,13 @@ class LossweightCallback(pl.Callback):
         gradients before ``optimizer.step()``."""
         step = self.accumulator.state.step if self.accumulator is not None else None
         if self.accumulator is None or step is None or self._module is None:
-            raise RuntimeError("LossweightCallback.end() was called with no step open")
+            raise error("lightning_no_step")
         if self._backpropagated < step.scaled:
-            raise RuntimeError(
-                f"step {step.number} ends, but only {self._backpropagated} of the {step.scaled} "
-                "losses that LossweightCallback.scale_loss() returned in it went through "
-                "backward(): a loss scaled and not back-propagated counts in the step's weights "
-                "and logged loss without adding its gradient. Call scale_loss() once per "
-                "microbatch and return its value from training_step (or pass it to "
-                "manual_backward())"
+            raise error(
+                "lightning_not_backpropagated",
+                step=step.number,
+                backpropagated=self._backpropagated,
+                scaled=step.scaled,
             )
         result = self.accumulator.end()
         self.result = result
@@ -179,13 +174,7 @@ class LossweightCallback(pl.Callback):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.accumulator is not None and self._backpropagated == self._backpropagated_before:
             name = f"num_{self._options['weight_by']}"
-            raise RuntimeError(
-                "a backward() during training went through no loss that "
-                "LossweightCallback.scale_loss() returned, so the end of the step would rescale "
-                "a gradient that no factor weighted; return the callback's "
-                f"scale_loss(loss, {name}=...) from training_step (automatic optimization) or "
-                "pass it to manual_backward() (manual optimization)"
-            )
+            raise error("lightning_unweighted_backward", name=name)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer

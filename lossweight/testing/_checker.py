@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import Collective, ProcessGroupCollective, SingleProcess
+from ..errors import error
 from ..result import StepResult
 from ..weighting import GradReduction, gradient_divisor
 from ._group import InProcessGroup
@@ -69,10 +70,7 @@ class ContextShard:
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
-            raise ValueError(
-                f"ContextShard(rank={self.rank!r}, size={self.size!r}): pass a size of 1 or "
-                "more and a rank from 0 to size - 1"
-            )
+            raise error("context_shard", rank=self.rank, size=self.size)
 
     def positions(self, length: int) -> slice:
         """The positions of a sequence of ``length`` this rank holds."""
@@ -106,10 +104,7 @@ def default_splits(
     sizes = _world_sizes(world_size)
     needed = _minimum_examples(world_size)
     if len(counts) < needed:
-        raise ValueError(
-            f"counts has {len(counts)} entries; the default splits of {_worlds(sizes)} need at "
-            f"least {needed} examples, one count each"
-        )
+        raise error("too_few_counts", count=len(counts), worlds=_worlds(sizes), needed=needed)
     return [
         Split.of(f"{_worlds([size])}: {name}", ranks)
         for size in sizes
@@ -121,7 +116,7 @@ def _world_sizes(world_size: int | None) -> tuple[int, ...]:
     if world_size is None:
         return SIMULATED_WORLD_SIZES
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r}; pass a positive int, or None")
+        raise error("simulated_world_size", value=world_size)
     return (world_size,)
 
 
@@ -252,7 +247,7 @@ class _Checker:
         ]
         return grads, logged
 
-    def reference(self) -> tuple[_Run, str | None]:
+    def reference(self) -> tuple[_Run, Exception | None]:
         """The whole batch in one microbatch on one rank, run twice; and why nothing can be
         compared to it, if so."""
         whole = [list(range(len(self.examples)))]
@@ -265,18 +260,9 @@ class _Checker:
             runs.append(_Run(grads, [logged]))
         first, second = runs
         if not all(bool(torch.isfinite(g).all()) for g in first.gradients):
-            return first, (
-                "the step's gradient of the whole batch in one microbatch holds NaN or inf, so "
-                "no split can be compared to it: fix the loss of the whole batch first"
-            )
+            return first, error("reference_not_finite")
         if not any(bool(g.ne(0).any()) for g in first.gradients):
-            return first, (
-                "the step left no gradient on the model it was given (the .grad of every "
-                "parameter that requires one is None or 0 after the whole batch), so the check "
-                "would compare nothing: it trains another model than its first argument (a "
-                "module-level one, say), or its loss does not reach the parameters (detached, "
-                "or computed under torch.no_grad())"
-            )
+            return first, error("reference_no_gradient")
         difference = _difference(self, second, first)
         if difference:
             known = (
@@ -284,29 +270,17 @@ class _Checker:
                 if self.random
                 else ""
             )
-            return first, (
-                "the step is not deterministic: two runs of the whole batch in one microbatch, "
-                f"from the same weights, differ: {difference}. Randomness drawn in train mode "
-                "(dropout called as a function, noise, sampling) differs with the microbatch's "
-                "shape, so every split would differ whatever its weighting; turn it off for the "
-                f"check, or put the modules that draw it in eval mode{known}"
-            )
+            return first, error("not_deterministic", difference=difference, known=known)
         return first, None
 
-    def changed(self) -> str | None:
+    def changed(self) -> Exception | None:
         """Why the model given to the checker is no longer as it was, if it is not."""
         for (what, before), (_, now) in zip(self._before, _state(self.model), strict=True):
             if not _same(before, now):
-                return (
-                    f"the step changed the model passed to assert_split_invariant ({what} "
-                    "differs after a run), though every run gets a copy of it: it trains that "
-                    "model directly (a module-level one, or one its closure holds), so each run "
-                    "would start from the weights the previous one left; train the model the "
-                    "step is given as its first argument"
-                )
+                return error("model_changed", what=what)
         return None
 
-    def agreed(self, problem: str | None) -> str | None:
+    def agreed(self, problem: Exception | None) -> Exception | None:
         """``problem``, or under torch.distributed the first one any process found: all fail
         together, where one failing alone would leave the others waiting in a collective."""
         if not self.distributed:
@@ -417,13 +391,13 @@ def assert_split_invariant(
     reference, problem = checker.reference()
     problem = checker.agreed(problem)
     if problem:
-        raise AssertionError(problem)
+        raise problem
     problems = []
     for split in chosen:
         run = checker.run(split)
         problem = checker.agreed(checker.changed())
         if problem:
-            raise AssertionError(problem)
+            raise problem
         difference = _difference(checker, run, reference)
         sharded = True
         if difference and (checker.context_parallel or 1) > 1:
@@ -444,10 +418,14 @@ def assert_split_invariant(
             if checker.random
             else ""
         )
-        raise AssertionError(
-            f"the step depends on how its {len(examples)} examples are split: "
-            f"{len(problems)} of {len(chosen)} splits differ from one microbatch on one "
-            f"rank{loss}:\n" + "\n".join(problems) + random
+        raise error(
+            "split_dependent",
+            examples=len(examples),
+            differing=len(problems),
+            splits=len(chosen),
+            loss=loss,
+            problems="\n".join(problems),
+            random=random,
         )
 
 
@@ -455,20 +433,11 @@ def _check_context_parallel(context_parallel: object, world_size: int | None) ->
     if context_parallel is None:
         return
     if isinstance(context_parallel, bool) or not isinstance(context_parallel, int):
-        raise ValueError(
-            f"context_parallel={context_parallel!r}; pass the number of context-parallel "
-            "ranks to simulate per data-parallel rank, an int of 1 or more, or None"
-        )
+        raise error("context_parallel_type", value=context_parallel)
     if context_parallel < 1:
-        raise ValueError(
-            f"context_parallel={context_parallel}; pass an int of 1 or more (1: each rank "
-            "holds whole sequences, and the step still gets its shard), or None"
-        )
+        raise error("context_parallel_size", value=context_parallel)
     if world_size is not None:
-        raise ValueError(
-            f"context_parallel={context_parallel} simulates ranks in one process, but "
-            f"torch.distributed runs {world_size} processes: run the check in one process"
-        )
+        raise error("context_parallel_processes", value=context_parallel, world_size=world_size)
 
 
 def _distributed() -> bool:
@@ -478,17 +447,11 @@ def _distributed() -> bool:
 def _counts(counts: Sequence[int] | None, examples: Sequence[Any]) -> list[int]:
     weights = list(counts) if counts is not None else [1] * len(examples)
     if len(weights) != len(examples):
-        raise ValueError(
-            f"counts has {len(weights)} entries but examples has {len(examples)}; give one "
-            "count per example"
-        )
+        raise error("counts_per_example", counts=len(weights), examples=len(examples))
     negative = [(i, c) for i, c in enumerate(weights) if c < 0]
     if negative:
         index, count = negative[0]
-        raise ValueError(
-            f"counts[{index}]={count!r} is negative; give each example's number of items its "
-            "loss covers (0 or more)"
-        )
+        raise error("example_count_negative", index=index, value=count)
     return weights
 
 
@@ -500,41 +463,24 @@ def _chosen(
     if splits is None:
         needed = _minimum_examples(world_size)
         if n < needed:
-            raise ValueError(
-                f"len(examples) is {n}; the default splits of "
-                f"{_worlds(_world_sizes(world_size))} need at least {needed} examples: give "
-                f"{needed} or more (a smaller batch leaves some splits unbuilt, and with 1 "
-                "example no split differs from another)"
-            )
+            worlds = _worlds(_world_sizes(world_size))
+            raise error("too_few_examples", count=n, worlds=worlds, needed=needed)
         return default_splits(weights, world_size=world_size)
     if n < 2:
-        raise ValueError(
-            f"len(examples) is {n}; splits of fewer than 2 examples cannot weigh one example "
-            "against another, so nothing could differ: give at least 2 examples"
-        )
+        raise error("one_example", count=n)
     chosen = list(splits)
     if not chosen:
-        raise ValueError(
-            "splits is empty, so the check would compare nothing: give at least one Split, or "
-            "leave splits out for the default ones"
-        )
+        raise error("no_splits")
     for index, split in enumerate(chosen):
         _check_split(index, split, n, world_size)
     if all(len(split.ranks) == 1 and len(split.ranks[0]) == 1 for split in chosen):
-        raise ValueError(
-            "every split in splits is the whole batch in one microbatch on one rank, as the "
-            "reference is, so the check would compare nothing: give a split of several "
-            "microbatches or ranks"
-        )
+        raise error("only_the_reference")
     return chosen
 
 
 def _check_split(index: int, split: object, n: int, world_size: int | None) -> None:
     if not isinstance(split, Split):
-        raise ValueError(
-            f"splits[{index}] is a {type(split).__name__}, not a Split; make one with "
-            "Split.of(name, ranks)"
-        )
+        raise error("not_a_split", index=index, kind=type(split).__name__)
     held = Counter(i for rank in split.ranks for mb in rank for i in mb)
     wrong = [
         f"{what} {found}"
@@ -546,40 +492,28 @@ def _check_split(index: int, split: object, n: int, world_size: int | None) -> N
         if found
     ]
     if wrong:
-        raise ValueError(
-            f"splits[{index}] ({split.name!r}) must hold each of examples 0 to {n - 1} once: it "
-            f"{', '.join(wrong)}"
+        raise error(
+            "split_examples", index=index, name=split.name, last=n - 1, wrong=", ".join(wrong)
         )
     if world_size is not None and len(split.ranks) != world_size:
-        raise ValueError(
-            f"splits[{index}] ({split.name!r}) has {_worlds([len(split.ranks)])}, but "
-            f"torch.distributed runs {world_size} processes, which are the ranks of every "
-            f"split: give splits of {world_size} ranks, or leave splits out for "
-            f"default_splits(counts, world_size={world_size})"
+        worlds = _worlds([len(split.ranks)])
+        raise error(
+            "split_ranks", index=index, name=split.name, worlds=worlds, world_size=world_size
         )
 
 
 def _check_model(model: torch.nn.Module, rtol: float) -> None:
     if isinstance(rtol, bool) or not isinstance(rtol, int | float) or not 0 <= rtol < math.inf:
-        raise ValueError(
-            f"rtol={rtol!r}; pass a finite number of 0 or more (1e-5 suits float32, 1e-10 float64)"
-        )
+        raise error("bad_rtol", value=rtol)
     normalized = [
         f"{name!r} ({type(module).__name__})"
         for name, module in model.named_modules()
         if isinstance(module, BATCH_STATISTICS) and module.training
     ]
     if normalized:
-        raise ValueError(
-            f"model has batch norm in train mode, in {', '.join(normalized)}: it normalizes "
-            "each microbatch by that microbatch's statistics, so the gradient depends on the "
-            "split whatever the weighting; call .eval() on those modules for the check"
-        )
+        raise error("batch_norm", modules=", ".join(normalized))
     if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(
-            "model has no parameter that requires a gradient, so the check would compare "
-            "nothing: pass the model the step trains"
-        )
+        raise error("nothing_trainable")
 
 
 def _agree(examples: Sequence[Any], weights: list[int], splits: Sequence[Split] | None) -> None:
@@ -593,10 +527,8 @@ def _agree(examples: Sequence[Any], weights: list[int], splits: Sequence[Split] 
     for rank, theirs in enumerate(_gathered(mine)):
         differ = [name for name in mine if theirs[name] != mine[name]]
         if differ:
-            raise ValueError(
-                f"rank {rank} called assert_split_invariant with other {' and '.join(differ)} "
-                f"than rank {dist.get_rank()} (as many examples, with the same counts and "
-                "splits, must run on every process): every process passes the same arguments"
+            raise error(
+                "checks_differ", rank=rank, differ=" and ".join(differ), own=dist.get_rank()
             )
 
 

@@ -8,6 +8,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..errors import error
+
 T = TypeVar("T")
 
 
@@ -48,7 +50,9 @@ class InProcessGroup:
 
     def __init__(self, world_size: int, timeout: float = 60.0) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size={world_size!r} is not supported; pass a positive int")
+            raise error(
+                "bad_option", name="world_size", value=world_size, expected="a positive int"
+            )
         self.world_size = world_size
         self._timeout = timeout
         self._condition = threading.Condition()
@@ -67,7 +71,7 @@ class InProcessGroup:
     def collective(self, rank: int) -> InProcessCollective:
         """The collective of ``rank`` (0 to ``world_size - 1``)."""
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(f"rank={rank!r}; pass a rank from 0 to {self.world_size - 1}")
+            raise error("bad_rank", value=rank, last=self.world_size - 1)
         return InProcessCollective(self, rank)
 
     @property
@@ -82,10 +86,7 @@ class InProcessGroup:
         raised here."""
         with self._condition:
             if self._running is not None:
-                raise RuntimeError(
-                    "InProcessGroup.run() is already running: it is not reentrant; call it "
-                    "from outside the work it runs, or use another InProcessGroup"
-                )
+                raise error("run_reentered")
             self._running = set(range(self.world_size))
             self._failed = None
         results: list[Any] = [None] * self.world_size
@@ -135,11 +136,15 @@ class InProcessGroup:
             parts = self._contributions.setdefault(index, {})
             for other, part in parts.items():
                 if part.shape != tensor.shape or part.dtype != tensor.dtype:
-                    raise RuntimeError(
-                        f"all-reduce {index}: rank {rank} contributes a {tensor.dtype} tensor of "
-                        f"shape {tuple(tensor.shape)}, rank {other} a {part.dtype} tensor of "
-                        f"shape {tuple(part.shape)}; every rank must reduce tensors of the same "
-                        "shape and dtype in the same order, as a real process group requires"
+                    raise error(
+                        "unlike_contributions",
+                        index=index,
+                        rank=rank,
+                        dtype=tensor.dtype,
+                        shape=tuple(tensor.shape),
+                        other=other,
+                        other_dtype=part.dtype,
+                        other_shape=tuple(part.shape),
                     )
             self._issued[rank] += 1
             self._next[rank] += 1
@@ -160,19 +165,11 @@ class InProcessGroup:
     def _sum(self, index: int, rank: int) -> torch.Tensor:
         with self._condition:
             if index in self._abandoned:
-                raise RuntimeError(
-                    f"all-reduce {index} of rank {rank} was abandoned when a run of this group "
-                    "failed before every rank started it; its result will never come"
-                )
+                raise error("reduce_abandoned", index=index, rank=rank)
             if self._running is None:
                 missing = self._missing(index)
                 if missing:
-                    raise RuntimeError(
-                        f"rank {rank} waited for all-reduce {index} before rank(s) {missing} "
-                        "started it: driven from one thread, every rank must start an "
-                        "all-reduce before any rank waits for it (run a call that waits for its "
-                        "own all-reduce on every rank at once with InProcessGroup.run())"
-                    )
+                    raise error("waited_before_started", rank=rank, index=index, missing=missing)
             else:
                 self._blocked[rank] = index
                 try:
@@ -188,21 +185,23 @@ class InProcessGroup:
                     del self._blocked[rank]
                 missing = self._missing(index)
                 if missing and self._failed is not None:
-                    raise RuntimeError(
-                        f"all-reduce {index} of rank {rank} abandoned: another rank failed"
+                    raise error("rank_failed", index=index, rank=rank)
+                if missing and settled:
+                    raise error(
+                        "reduce_deadlocked",
+                        index=index,
+                        rank=rank,
+                        missing=missing,
+                        issued=self._issued,
                     )
                 if missing:
-                    stuck = (
-                        "can never complete: every rank still running waits, and rank(s) "
-                        f"{missing} did not start it"
-                        if settled
-                        else f"never completed: rank(s) {missing} did not start it within "
-                        f"{self._timeout:g} s"
-                    )
-                    raise RuntimeError(
-                        f"all-reduce {index} of rank {rank} {stuck} (the ranks issued their "
-                        "collectives in different numbers or orders, where a real process group "
-                        f"would hang; issued so far: {self._issued})"
+                    raise error(
+                        "reduce_timed_out",
+                        index=index,
+                        rank=rank,
+                        missing=missing,
+                        timeout=self._timeout,
+                        issued=self._issued,
                     )
             parts = self._contributions[index]
             return torch.stack([parts[r] for r in range(self.world_size)]).sum(0)
