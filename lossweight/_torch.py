@@ -70,6 +70,13 @@ def _once(parameters: list[torch.Tensor]) -> dict[object, torch.Tensor]:
     return found
 
 
+def unscaled(reached: list[torch.Tensor], parameters: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Those of ``reached`` whose gradient exists and is not the memory of a gradient of
+    ``parameters`` (which rescaling those rescales too)."""
+    given = _once(parameters)
+    return [p for p in reached if p.grad is not None and _memory(p.grad) not in given]
+
+
 def gradient_groups(parameters: list[torch.Tensor]) -> Groups:
     """The gradients that exist, each once, by device and dtype for the foreach calls."""
     groups: Groups = defaultdict(list)
@@ -94,6 +101,22 @@ def nonzero_gradients(groups: Groups) -> torch.Tensor:
     device = devices[0] if devices else torch.device("cpu")
     none = torch.zeros(0, dtype=torch.bool, device=device)
     return torch.cat([none, *[flag.to(device, non_blocking=True) for flag in flags]]).any()
+
+
+def parameters_reached(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The parameters (``nn.Parameter`` leaves) that a backward from ``tensor`` accumulates
+    gradients into: its autograd graph's ``AccumulateGrad`` nodes, walked on the host."""
+    found: list[torch.Tensor] = []
+    seen, nodes = set(), [tensor.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(variable := getattr(node, "variable", None), torch.nn.Parameter):
+            found.append(variable)
+        nodes.extend(following for following, _ in node.next_functions)
+    return found
 
 
 class BackwardSeen:

@@ -379,13 +379,13 @@ class _InFlight:
             self.add(reduction)
             self.estimate = reduction  # its W, unless its check fails (on an accelerator, later)
             return StepResult(step.number, reduction, reduction, [])
+        self.estimate = tensors.reduction  # its W, on a rank that refuses as on the others
         next_step = self.options.loss_logging == "next_step"
         if refusal is not None and (collective.world_size == 1 or next_step):
             raise refusal
         # A compiled step takes every microbatch through scale_loss(): its reads take none.
         unrecorded = step.unrecorded if step.factored and tensors.cursor is None else []
         loss_sum = tensors.loss_sum(known=not unrecorded)
-        self.estimate = tensors.reduction
         if next_step:
             self.pending = PendingLoss(step.number, loss_sum, collective)
             return StepResult(step.number, tensors.reduction, self.pending, unrecorded)
@@ -393,8 +393,9 @@ class _InFlight:
             self.settle()
             codes = self.codes(step.number, terms.COUNT_FIRST_END)
             tensors.closing = self.reduce_loss(collective, codes, tensors.device, loss_sum, refusal)
-        if refusal is not None:
-            raise refusal
+            tensors.refusal = refusal  # told to the peers: raised again, even once mended
+        if tensors.refusal is not None:
+            raise tensors.refusal
         return StepResult(step.number, tensors.reduction, tensors.closing, unrecorded)
 
     def drop(self, why: str) -> int | None:
@@ -540,8 +541,13 @@ def _counts(count: str, value: object, dim: int) -> Any:
             _tensor_counts(f"{name}[{index}]", item, 0)  # raises what is wrong
         tensors.append(item)
     device = accelerator_of(f"the tensors in {name}", (t.device for t in tensors))
-    dtype = torch.int64 if count in terms.INTEGER else None  # weights: their precision
-    stacked = torch.stack([t.to(device, dtype, non_blocking=True) for t in tensors])
+    # An integer weight among float ones is exact as float64, not in their precision.
+    integer, f64 = count in terms.INTEGER, torch.float64
+
+    def kind(t: torch.Tensor) -> torch.dtype | None:
+        return torch.int64 if integer else None if t.is_floating_point() else f64
+
+    stacked = torch.stack([t.to(device, kind(t), non_blocking=True) for t in tensors])
     return _tensor_counts(name, stacked, 1)
 
 

@@ -48,9 +48,8 @@ class MeshGroup:
             raise error("pipeline_dimension", value=pipeline, group=mesh, names=names)
         if mesh.ndim > 1 and len(names) < mesh.ndim:
             raise error("mesh_unnamed", mesh=mesh)
-        for name in names:
-            if name != pipeline and set(name.split("_")) & _MODEL_PARALLEL:
-                raise error("mesh_model_parallel", mesh=mesh, name=name)
+        if model_parallel := [n for n in names if n != pipeline and not _data([n])]:
+            raise error("mesh_model_parallel", mesh=mesh, name=model_parallel[0])
         self.mesh, self.stages = mesh, (1, True)
         if pipeline is not None:
             size = mesh.size(dim := names.index(pipeline))
@@ -72,6 +71,8 @@ class MeshGroup:
                 self._last = self._last and int(grid[-1, index]) == rank
         self.peers = tuple(peers)
         self._size = math.prod(size for size, _, _ in self._groups)
+        if mesh.size() * self._size != root.size():  # part of a dimension: which ranks hold what?
+            raise error("mesh_partial", mesh=mesh, root=root)
 
     def group(self) -> dist.ProcessGroup:
         """The process group over the mesh's ranks and its peers' (``DeviceMesh._flatten``,
@@ -139,9 +140,15 @@ class MeshGroup:
     def refusal(self, agree: Sequence[bool]) -> Exception:
         """The error of the peers along the dimensions that ``agree`` (one bool each) fails."""
         differing = tuple(name for name, same in zip(self.peers, agree, strict=True) if not same)
-        names = self._root.mesh_dim_names or ()
-        spanned = [name for name in names if name not in self.peers or name in differing]
-        return error("peers_differ", dimensions=differing, suggested=spanned)
+        root = self._root  # its dimensions that would count: of size 2 or more, data ones
+        names = [n for i, n in enumerate(root.mesh_dim_names or ()) if root.size(i) > 1]
+        kept = [n for n in names if n not in self.peers or n in differing]
+        return error("peers_differ", dimensions=differing, suggested=_data(kept) or kept)
+
+
+def _data(names: Sequence[str]) -> list[str]:
+    """The dimension names that do not say tensor, expert-tensor or pipeline parallel."""
+    return [name for name in names if not set(name.split("_")) & _MODEL_PARALLEL]
 
 
 # A fingerprint of a rank's counts (their float64 bits, in 16-bit pieces, each times a weight

@@ -9,6 +9,7 @@ machine decides which microbatch a call takes; these classes do the arithmetic, 
 from __future__ import annotations
 
 import math
+import weakref
 from array import array
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -54,6 +55,7 @@ class CountFirst:
             collective, layout, codes, device, totals, flags, losses, True, counts
         )
         self.closing: Reduction | None = None  # end()'s reduction of the loss, once made
+        self.refusal: Exception | None = None  # what it carried to the peers
         # Each term's weight per microbatch (a constant's term: 1), and where all are numbers,
         # whether each microbatch's are positive, known on the host at no cost.
         rows: list[Any] = [counts[t.count] if t.count else [1] * size for t in self._terms]
@@ -232,9 +234,12 @@ class ScaleAfter:
         self._losses: list[tuple[torch.Tensor, ...]] = []  # per microbatch, one per term
         self.reduction: Reduction | None = None
         self.total: torch.Tensor | None = None  # W, once end() has reduced and rescaled
+        self._strays: list[torch.Tensor] = []  # parameters the first loss reaches, not given
 
     def scale(self, losses: Losses, counts: Mapping[str, Count | None]) -> torch.Tensor:
         """The terms' losses times their provisional factors ``w * D / E`` (``D / E``), summed."""
+        if not self._losses:
+            self._strays = _not_given(losses, self.parameters)
         for name, count in counts.items():
             if count is not None:
                 self._counts[name].append(count)
@@ -305,6 +310,9 @@ class ScaleAfter:
             if not self._groups:
                 scaled, parameters = len(self._losses), len(self.parameters)
                 refusal = error("no_gradients", parameters=parameters, scaled=scaled, step=step)
+            elif strays := _torch.unscaled(self._strays, self.parameters):
+                shapes = ", ".join(str(tuple(p.shape)) for p in strays)
+                refusal = error("not_given", step=step, count=len(strays), shapes=shapes)
             return -float(ranks), refusal
         if not self._groups or not self._loss:  # a stage before the last scales nothing
             return 0.0, None
@@ -334,6 +342,30 @@ class ScaleAfter:
 
 Losses = tuple[torch.Tensor, ...]
 Rows = tuple[torch.Tensor, ...]
+
+
+# The parameter lists whose first step's losses reached no other parameter, by the id of
+# their first parameter (and a weak reference to it): a step's graph is walked until its list
+# has passed once.
+_PASSED: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int]]] = {}
+
+
+def _not_given(losses: Losses, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters that ``losses`` reach and ``parameters`` lacks, whose gradients end()
+    would leave unscaled. Not looked for where the parameters are DTensors (FSDP2's shards:
+    its graph reaches the unsharded parameters instead, which no list given here holds)."""
+    given = frozenset(map(id, parameters))
+    first = parameters[0] if parameters else None
+    passed = _PASSED.get(id(first))
+    if first is None or (passed and passed[0]() is first and passed[1] == given):
+        return []
+    if any(hasattr(p, "to_local") for p in parameters):
+        return []
+    reached = {id(p): p for loss in losses for p in _torch.parameters_reached(loss)}
+    strays = [p for key, p in reached.items() if key not in given]
+    if not strays:
+        _PASSED[id(first)] = (weakref.ref(first), given)
+    return strays
 
 
 def _weights(rows: list[Any], device: torch.device) -> tuple[list[bool] | None, Rows]:

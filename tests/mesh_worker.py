@@ -217,7 +217,13 @@ def run(rank: int, world_size: int) -> dict:
     acc.abandon()
     outcome.update(_tensor_parallel_steps())
     outcome.update(_dimensions_outside_the_group())
+    # A mesh made with _unflatten has a 1-D root: its whole is taken, a part of it refused.
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    unflattened = world._unflatten(0, (2, 2), ("replicate", "shard"))
+    whole = lossweight.Accumulator(loss_reduction="sum", group=unflattened)
+    outcome["unflattened_whole"] = list(whole._resolver.mesh.peers)  # type: ignore[union-attr]
     for name, mesh in {
+        "partial_refused": unflattened["replicate"],
         "tp_refused": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
         "pp_refused": stages,
         "unnamed_refused": init_device_mesh("cpu", (2, 2)),

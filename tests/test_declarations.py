@@ -193,3 +193,14 @@ def test_a_weight_sum_in_another_order_or_dtype_agrees(declared: object, given: 
 )
 def test_a_weight_sum_over_other_items_is_refused(declared: object, given: object) -> None:
     assert "the loss and its count cover different items" in _weights_checked(declared, given)
+
+
+def test_an_integer_weight_among_bfloat16_ones_stays_exact() -> None:
+    # 301 in bfloat16 is 300: the list is stacked at float64 where an integer is in it.
+    acc = Accumulator(loss_reduction="mean", weight_by="weight_sum")
+    x = torch.ones((), dtype=F64, requires_grad=True)
+    acc.begin(weight_sum=[torch.tensor(301), torch.tensor(1.0, dtype=torch.bfloat16)])
+    acc.scale_loss(x * 1.0).backward()
+    acc.scale_loss(x * 0.0).backward()
+    assert acc.end().weight_sum.item() == 302
+    assert x.grad is not None and x.grad.item() == pytest.approx(301 / 302, rel=1e-12)

@@ -222,6 +222,10 @@ def ended_too_early(rank: int, collective: InProcessCollective, logging: str) ->
             with pytest.raises(RuntimeError) as again:  # reduced once, refused again
                 acc.end()
             seen["again"] = str(again.value)
+            acc.scale_loss(x * 3.0).backward()  # mended once its peer was told: still refused
+            with pytest.raises(RuntimeError) as mended:
+                acc.end()
+            seen["mended"] = str(mended.value)
     acc.abandon()
     x.grad = None
     try:
@@ -243,7 +247,7 @@ def test_a_rank_that_ends_too_early_refuses_the_step_on_every_rank(
         monkeypatch.setattr(payload, "CHECKED_ON_HOST", ())  # the CPU as an accelerator
     told, early = InProcessGroup(2).run(lambda rank, c: ended_too_early(rank, c, "end"))
     assert early["end"].startswith("end() was called after 1 of the 2 microbatches")
-    assert early["again"] == early["end"] and "begin" not in early  # raised once
+    assert early["again"] == early["mended"] == early["end"] and "begin" not in early
     # The rank that ended in time learns it when it reads the step's loss; on an accelerator,
     # whose check is not read at once, the loss is NaN and the next call raises.
     assert told["end"] == "returned"
@@ -258,7 +262,7 @@ def test_a_rank_that_ends_too_early_refuses_the_step_on_every_rank(
 def test_a_rank_that_ends_too_early_without_an_end_reduction_raises_alone() -> None:
     # loss_logging="next_step": end() reduces nothing, so the rank raises alone, and the next
     # begin() finds one rank carrying a loss that the other abandoned: refused on every rank.
-    def rank_steps(rank: int, collective: InProcessCollective) -> tuple[str, str]:
+    def rank_steps(rank: int, collective: InProcessCollective) -> tuple[str, str, float]:
         acc = Accumulator(loss_reduction="sum", collective=collective, loss_logging="next_step")
         x = torch.ones((), dtype=torch.float64, requires_grad=True)
         acc.begin(num_tokens=[2, 3])
@@ -273,10 +277,19 @@ def test_a_rank_that_ends_too_early_without_an_end_reduction_raises_alone() -> N
         with pytest.raises(DisagreementError) as next_step:
             acc.begin(num_tokens=[1])
             acc.scale_loss(x * 1.0)  # the first use of the step's totals checks them
-        return ended, str(next_step.value)
+        acc.abandon()
+        x.grad = None
+        acc.begin(num_tokens=[1])  # then steps go on, on every rank
+        acc.scale_loss(x * (rank + 1.0)).backward()
+        acc.end()
+        acc.flush()
+        assert x.grad is not None
+        return ended, str(next_step.value), x.grad.item()
 
     told, early = InProcessGroup(2).run(rank_steps)
     assert early[0].startswith("end() was called after 1 of the 2 microbatches")
     assert told[0] == "returned"
     for rank in (told, early):
         assert "a rank abandoned a step that another ended" in rank[1]
+        assert "estimate of W" not in rank[1]  # the ranks agree on it
+    assert told[2] == 1.0 and early[2] == 2.0  # each rank's loss over the 2 tokens, D = 2

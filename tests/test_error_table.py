@@ -72,6 +72,7 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     "graph_asserts": ("test_compile.py", "inside torch.compile needs torch 2.9"),
     "mesh_unnamed": ("test_mesh.py", "of several dimensions without names"),
     "mesh_model_parallel": ("test_mesh.py", "whose ranks hold the same data"),
+    "mesh_partial": ("test_mesh.py", "holds part of a dimension of its root mesh"),
     "not_the_loss_stage": ("test_mesh.py", "whose pipeline stage is not the last one"),
     "clip_pipeline": ("test_mesh.py", "under pipeline= each stage holds a part of the model"),
     "pipeline_unset": ("test_mesh.py", "to infer a stage's shapes"),

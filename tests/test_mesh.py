@@ -171,6 +171,16 @@ def test_pipeline_stages_the_accumulator_is_not_told_of_are_refused_on_every_ran
         assert hint in raised
 
 
+def test_a_mesh_that_holds_part_of_a_root_dimension_is_refused(runs: list[dict]) -> None:
+    # An _unflatten-ed (replicate, shard) mesh's root is the 1-D world: the whole mesh spans
+    # it, but its replicate dimension alone holds part of the world's one dimension, whose
+    # other ranks lossweight cannot tell apart (same data, or other data).
+    for rank in runs:
+        assert rank["unflattened_whole"] == []
+        assert "holds part of a dimension of its root mesh" in rank["partial_refused"]
+        assert "init_device_mesh(..., mesh_dim_names=...)" in rank["partial_refused"]
+
+
 def test_a_mesh_of_unnamed_dimensions_is_refused(runs: list[dict]) -> None:
     for rank in runs:
         assert "of several dimensions without names; name them" in rank["unnamed_refused"]

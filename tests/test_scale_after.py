@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -473,3 +474,53 @@ def test_a_sparse_gradient_is_not_clipped_and_the_step_stays_open() -> None:
     torch.testing.assert_close(
         embedding.weight.grad.to_dense()[2], torch.full((3,), 2 / 3, dtype=torch.float64)
     )
+
+
+def _two_groups() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)).double()
+    groups = [{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.1}]
+    return model, torch.optim.SGD(groups, lr=1.0)
+
+
+def _step_over(parameters: object, model: torch.nn.Module) -> str:
+    acc = Accumulator(loss_reduction="sum")
+    model.zero_grad()
+    acc.begin(parameters=parameters)
+    loss = model(torch.ones(2, 3, dtype=torch.float64)).sum()
+    acc.scale_loss(loss, num_tokens=2).backward()
+    try:
+        acc.end()
+    except (ValueError, RuntimeError) as refused:
+        acc.abandon()
+        return str(refused)
+    return "ended"
+
+
+def test_a_loss_reaching_parameters_not_given_to_begin_is_refused_at_end() -> None:
+    model, optimizer = _two_groups()
+    refused = _step_over(optimizer.param_groups[0]["params"], model)  # one group of two
+    assert refused.startswith("the losses of step 1 that went through scale_loss() reach 2 ")
+    assert "parameters that begin(parameters=...) was not given (shapes (1, 4), (1,))" in refused
+    assert "begin(parameters=optimizer)" in refused
+    assert _step_over(optimizer, model) == "ended"  # every group: exact
+    assert _step_over(model, model) == "ended"
+
+
+def test_parameters_not_given_are_refused_on_every_rank() -> None:
+    # Rank 0 gives one param group, rank 1 both: both raise, from the step's one reduction.
+    model, _ = _two_groups()
+
+    def rank_step(rank: int, collective: InProcessCollective) -> str:
+        acc = Accumulator(loss_reduction="sum", collective=collective)
+        local = copy.deepcopy(model)
+        groups = [list(local[0].parameters()), list(local.parameters())]
+        acc.begin(parameters=groups[rank])
+        acc.scale_loss(local(torch.ones(2, 3, dtype=torch.float64)).sum(), num_tokens=2).backward()
+        with pytest.raises((ValueError, RuntimeError)) as refused:
+            acc.end()
+        return str(refused.value)
+
+    first, second = InProcessGroup(2).run(rank_step)
+    assert "parameters that begin(parameters=...) was not given" in first
+    assert "1 of the 2 ranks of the reduction refused to end this step" in second
