@@ -10,7 +10,26 @@ from pathlib import Path
 import pytest
 
 import lossweight
+import lossweight.integrations.accelerate
+import lossweight.integrations.deepspeed
+import lossweight.integrations.hf
+import lossweight.integrations.lightning
+import lossweight.integrations.trl
+import lossweight.parallel
+import lossweight.testing
 
+# The modules that add their rows to the one table when imported, all imported above: the
+# table read below holds every row.
+ROW_MODULES = (
+    lossweight.counting,
+    lossweight.parallel,
+    lossweight.testing,
+    lossweight.integrations.accelerate,
+    lossweight.integrations.lightning,
+    lossweight.integrations.deepspeed,
+    lossweight.integrations.hf,
+    lossweight.integrations.trl,
+)
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 SETUP = re.search(r"^```python\n(.*?)^```$", PAGE.read_text(), flags=re.M | re.S)
 ROW = re.compile(r"^\| `(?P<code>[^|]+)` \| `(?P<error>\w+)` `(?P<message>[^|]+)` \| [^|]+ \|$")
@@ -154,6 +173,7 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     "trl_importance_sampling": ("test_trl.py", "pass 'token' or 'sequence'"),
     "trl_unsupported": ("test_trl.py", " in the GRPOConfig"),
     "trl_generation_steps": ("test_trl.py", "to be a multiple of gradient_accumulation_steps"),
+    "code_taken": ("test_error_table.py", "have other rows in lossweight.errors.MESSAGES already"),
 }
 
 # Codes that only a platform the suite cannot run raises, with that platform.
@@ -284,7 +304,7 @@ def _codes_used(path: Path) -> set[str]:
     }
 
 
-MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "errors.py")
+MODULES = sorted(PACKAGE.rglob("*.py"))
 
 
 def test_every_raise_of_the_package_takes_its_message_from_the_table() -> None:
@@ -298,3 +318,47 @@ def test_every_code_of_the_table_is_raised_somewhere() -> None:
     assert used <= set(lossweight.errors.MESSAGES), sorted(used - set(lossweight.errors.MESSAGES))
     unused = set(lossweight.errors.MESSAGES) - used
     assert not unused, f"codes of the table that nothing raises: {sorted(unused)}"
+
+
+def _core_codes() -> set[str]:
+    """The codes of the rows errors.py holds itself: the core's."""
+    tree = ast.parse((PACKAGE / "errors.py").read_text())
+    (table,) = [
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "MESSAGES"
+    ]
+    assert isinstance(table, ast.Dict)
+    return {key.value for key in table.keys if isinstance(key, ast.Constant)}
+
+
+def test_each_module_raises_the_core_s_codes_or_its_own() -> None:
+    # An optional module's rows join the table when it is imported, so a code it raises is
+    # the core's, its own, or its package's: no error can come before its row is there.
+    adding = {
+        path
+        for path in MODULES
+        if any(_called(node) == "add_messages" for node in ast.walk(ast.parse(path.read_text())))
+    }
+    owned = {Path(str(module.__file__)): set(module._MESSAGES) for module in ROW_MODULES}
+    assert set(owned) == adding, "a module that adds rows is missing from ROW_MODULES"
+    core = _core_codes()
+    assert sum(map(len, owned.values())) + len(core) == len(lossweight.errors.MESSAGES)
+    for path in MODULES:
+        own = set().union(*(owned.get(folder / "__init__.py", set()) for folder in path.parents))
+        own |= owned.get(path, set())
+        foreign = _codes_used(path) - core - own
+        assert not foreign, f"{path.name} raises codes of another module's rows: {foreign}"
+
+
+def test_a_module_cannot_take_a_code_of_the_table() -> None:
+    before = dict(lossweight.errors.MESSAGES)
+    lossweight.errors.add_messages({"bad_option": before["bad_option"]})  # imported again
+    with pytest.raises(
+        ValueError,
+        match=r"the codes \['bad_option'\] have other rows in lossweight.errors.MESSAGES already",
+    ):
+        lossweight.errors.add_messages(
+            {"bad_option": (ValueError, "{name}"), "a_new_code": (ValueError, "new")}
+        )
+    assert before == lossweight.errors.MESSAGES

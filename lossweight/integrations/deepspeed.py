@@ -59,9 +59,32 @@ import torch
 from .. import Accumulator, machine
 from ..accumulator import Count, Counts, Factors, Losses, StepContext
 from ..collectives import Waitable, start_all_reduce
-from ..errors import error
+from ..errors import add_messages, error
 from ..result import StepResult
 from ..weighting import GradReduction
+
+# The rows of this module's errors, added to lossweight.errors.MESSAGES when it is imported.
+# fmt: off
+_MESSAGES: dict[str, tuple[type[Exception], str]] = {
+    "deepspeed_engine_decides": (ValueError, "DeepSpeedAccumulator got {name}={value!r}, which the engine decides: it divides each loss by its gradient accumulation steps ({steps}) and averages the ranks' gradients; drop {name}"),
+    "deepspeed_pipeline": (ValueError, "DeepSpeedAccumulator got a PipelineEngine, whose train_batch() runs the whole step itself; weight a pipeline's loss inside its loss function instead"),
+    "deepspeed_sequence_parallel": (ValueError, "DeepSpeedAccumulator does not support sequence parallelism yet (sequence_parallel_size={size}): DeepSpeed averages the gradients over the sequence-data-parallel group, not the world"),
+    "deepspeed_unmanaged": (ValueError, "DeepSpeedAccumulator got an engine with managed_gradient_accumulation false, whose every engine.step() reduces and updates with the gradients it has, and whose boundary cannot be placed on a step's last microbatch; set \"managed_gradient_accumulation\": true (the default) in the DeepSpeed config"),
+    "deepspeed_stranded": (RuntimeError, "step {step} was abandoned after its backward, and ZeRO stage {stage} keeps that step's partial gradients, which the next step would add to; restart from a checkpoint with a new engine and DeepSpeedAccumulator, or end() a step instead of abandoning it"),
+    "deepspeed_window_changed": (ValueError, "the engine's gradient accumulation steps changed from {before:g} to {now} (set_train_batch_size()); make a new DeepSpeedAccumulator for the engine, and load this one's state_dict() into it"),
+    "deepspeed_scale_after": (ValueError, "begin(parameters=...) scales after, but ZeRO stage {stage} moves the gradients into its partitions during the backward, where end() cannot rescale them; count first: begin(num_tokens=[...]) with every microbatch's count"),
+    "deepspeed_compiled": (RuntimeError, "DeepSpeedAccumulator.scale_loss() runs eagerly: it tells the engine where the step ends, which a compiled graph cannot; compile the model, not scale_loss()"),
+    "deepspeed_uneven": (RuntimeError, "this rank declared {declared} microbatches for step {step}, and the {ranks:g} ranks declared {mean:g} on average: DeepSpeed reduces the gradients of one microbatch of every rank at a time, so every rank must give a step as many microbatches; pad a rank with microbatches of count 0, or split each step's rows evenly over the ranks"),
+    "deepspeed_updated_within": (RuntimeError, "DeepSpeed updated the parameters during step {step}, at the engine.step() after microbatch {after}, before microbatch {index}: that update had part of the step's gradients. Count first with scale_loss(), which puts DeepSpeed's boundary on the step's last microbatch, or give each step {every} microbatches, each followed by one engine.step(), with backward_scale(i) read just before microbatch i's backward"),
+    "deepspeed_boundary_early": (RuntimeError, "in step {step}, DeepSpeed's own count of microbatches (micro step {micro}, {every} accumulation steps) makes microbatch {index} of the step's {declared} its boundary, where it would reduce and update with part of the step's gradients. Count first with scale_loss(), which puts DeepSpeed's boundary on the step's last microbatch, or give each step {every} microbatches, each followed by one engine.step(), with backward_scale(i) read just before microbatch i's backward"),
+    "deepspeed_boundary_missed": (RuntimeError, "in step {step}, DeepSpeed's own count of microbatches (micro step {micro}, {every} accumulation steps) does not make the step's last microbatch ({index}) its boundary, so it would not reduce the step's gradients there, and would add the next step's. Count first with scale_loss(), which puts DeepSpeed's boundary on the step's last microbatch, or give each step {every} microbatches, each followed by one engine.step(), with backward_scale(i) read just before microbatch i's backward"),
+    "deepspeed_after_boundary": (RuntimeError, "in step {step}, microbatch {boundary} was DeepSpeed's accumulation boundary, where it reduced part of the step's gradients, and microbatch {index} came after it. Count first with scale_loss(), which puts DeepSpeed's boundary on the step's last microbatch, or give each step {every} microbatches, each followed by one engine.step(), with backward_scale(i) read just before microbatch i's backward"),
+    "deepspeed_before_boundary": (RuntimeError, "end() of step {step} came before DeepSpeed's gradient accumulation boundary: its last microbatch ({last}) was not the boundary of DeepSpeed's own count (micro step {micro}, {every} accumulation steps), so DeepSpeed has not reduced this step's gradients, and would add the next microbatches to them. Count first with scale_loss(), which puts DeepSpeed's boundary on the step's last microbatch, or give each step {every} microbatches, each followed by one engine.step(), with backward_scale(i) read just before microbatch i's backward"),
+    "deepspeed_ended_after_step": (RuntimeError, "end() of step {step} came after the engine.step() that updated the parameters, with the gradients end() rescales in a scale-after step; call end() after the last backward and before engine.step()"),
+    "deepspeed_unscaled_backward": (ValueError, "engine.backward(loss, scale_wrt_gas=False) in step {step}: DeepSpeedAccumulator's scale_loss() multiplies each loss by the engine's {every} accumulation steps, to undo the division that scale_wrt_gas=True makes; call engine.backward(loss)"),
+}
+# fmt: on
+add_messages(_MESSAGES)
 
 _ENGINE_DECIDES = ("framework_divides_loss_by", "grad_reduction")
 

@@ -65,8 +65,23 @@ from transformers.utils.import_utils import is_sagemaker_mp_enabled
 
 from ..accumulator import Accumulator
 from ..counting import count_tokens
-from ..errors import error
+from ..errors import add_messages, error
 from ..result import StepResult
+
+# The rows of this module's errors, added to lossweight.errors.MESSAGES when it is imported.
+# fmt: off
+_MESSAGES: dict[str, tuple[type[Exception], str]] = {
+    "hf_transformers_too_old": (ImportError, "lossweight.integrations.hf needs a transformers whose Trainer has the loss_is_scaled_for_ga attribute (5.24 and later); upgrade transformers"),
+    "hf_outside_step": (RuntimeError, "{trainer}.training_step() ran outside a step: its steps begin before the first loss of each optimizer step, from Trainer.train()"),
+    "hf_batch_type": (TypeError, "LossweightTrainer counts the rows and labels of dict batches, but the data collator returned a {kind}; return a dict with 'labels' (and 'input_ids')"),
+    "hf_shift_unknown": (ValueError, "LossweightTrainer(weight_by='tokens') counts the labels each position's loss compares with, and cannot tell whether the loss of {model} shifts them: it is not a transformers model with a loss_function, nor holds exactly one; let the data collator return 'shift_labels' (each position's target, -100 where none), which are counted as given, or give the model a transformers loss_function"),
+    "hf_batch_uncounted": (ValueError, "LossweightTrainer(weight_by={weight_by!r}) counts each batch from {needed}, and a batch of this step has none; let the data collator return it"),
+    "hf_data_parallel": (ValueError, "LossweightTrainer does not support nn.DataParallel (n_gpu={n_gpu}): launch one process per device (torchrun or accelerate launch) for DistributedDataParallel"),
+    "hf_sagemaker": (NotImplementedError, "LossweightTrainer does not support SageMaker model parallel"),
+    "hf_model_parallel": (NotImplementedError, "LossweightTrainer weights over the whole world, which is the data-parallel group only without tensor, context or sequence parallelism (here {sizes}); use lossweight.Accumulator(group=<the data-parallel group>) in your own loop"),
+}
+# fmt: on
+add_messages(_MESSAGES)
 
 WeightBy = Literal["tokens", "samples"]
 IGNORE_INDEX = -100  # the label of a position without a target, in every Hugging Face loss

@@ -66,9 +66,26 @@ from trl.trainer.grpo_config import GRPOConfig
 from trl.trainer.grpo_trainer import GRPOTrainer
 
 from ..counting import AggregationMode, aggregate
-from ..errors import error
+from ..errors import add_messages, error
 from ..terms import Term
 from .hf import _WeightedSteps
+
+# The rows of this module's errors, added to lossweight.errors.MESSAGES when it is imported.
+# fmt: off
+_MESSAGES: dict[str, tuple[type[Exception], str]] = {
+    "trl_microbatches_left": (RuntimeError, "this optimizer step needs {needed} microbatches, and {left} are left in the generation batch after microbatch {first}: an earlier optimizer step stopped before its last microbatch (an exception, or a callback that stopped the epoch); train on with a new LossweightGRPOTrainer, or resume from a checkpoint"),
+    "trl_loss_type_changed": (ValueError, "loss_type is {now!r}, and was {built!r} when this LossweightGRPOTrainer was built: its terms are normalised by the step's {unit} ({built_mode}), and {now!r} normalises otherwise ({now_mode}); change loss_type only within {same}, or build the trainer with the loss_type it trains with"),
+    "trl_kl_added": (ValueError, "beta is {value!r}, and was 0 when this LossweightGRPOTrainer was built: it has no 'kl' term (and GRPOTrainer no reference model); build the trainer with a nonzero beta, which a schedule may then change, down to 0"),
+    "trl_entropy_changed": (ValueError, "entropy_coef is {value!r}, and was {was}0 when this LossweightGRPOTrainer was built: its loss terms are fixed then; change entropy_coef between nonzero values only, or build the trainer with the bonus it trains with"),
+    "trl_compute_loss": (TypeError, "{trainer} overrides _compute_loss, which LossweightGRPOTrainer does not call in training (it computes GRPOTrainer's loss itself, over the whole step); put the change in _get_per_token_logps_and_entropies, or use GRPOTrainer"),
+    "trl_bnpo": (ValueError, "LossweightGRPOTrainer does not take loss_type='bnpo', whose normaliser is by definition the local batch's token count; loss_type='dapo' is the same loss normalised by the whole step's token count"),
+    "trl_loss_type": (ValueError, "LossweightGRPOTrainer does not support loss_type={value!r}; pass one of {types}, or use GRPOTrainer"),
+    "trl_importance_sampling": (ValueError, "importance_sampling_level={value!r}; pass 'token' or 'sequence'"),
+    "trl_unsupported": (ValueError, "LossweightGRPOTrainer does not support {name}={value!r}: lossweight cannot vouch for its weighting over a split step; set {name}={allowed!r} in the GRPOConfig, or use GRPOTrainer"),
+    "trl_generation_steps": (ValueError, "LossweightGRPOTrainer needs steps_per_generation ({generated}) to be a multiple of gradient_accumulation_steps ({accumulated}), so that each optimizer step's completions are generated before its first loss; set steps_per_generation to {accumulated} (the default) or a multiple of it"),
+}
+# fmt: on
+add_messages(_MESSAGES)
 
 __all__ = ["LossweightGRPOTrainer"]
 
