@@ -33,7 +33,35 @@ import torch
 import torch.nn.functional as F
 
 from . import _torch
-from .errors import device_message, error
+from .errors import add_messages, device_message, error
+
+# The rows of this module's errors, added to lossweight.errors.MESSAGES when it is imported.
+# The checks of tensor values run on their device, with device_message().
+# fmt: off
+_MESSAGES: dict[str, tuple[type[Exception], str]] = {
+    "logits_shape": (ValueError, "logits has shape {logits} and labels {labels}; logits must have the labels' shape plus a last dimension for the vocabulary"),
+    "labels_dtype": (TypeError, "labels has dtype {dtype}, but labels are class indices; pass an integer tensor (token ids, with ignore_index where there is no target)"),
+    "zero_dim": (ValueError, "{name} is a 0-dim tensor; pass {what} of shape (..., sequence)"),
+    "ignore_index_type": (TypeError, "ignore_index={value!r} is not an int; pass the label of the positions without a target (-100, the default of PyTorch and Hugging Face)"),
+    "mask_shape": (ValueError, "mask has shape {shape} but labels {labels}; pass a mask of the labels' shape (1 where a token counts, 0 where it does not)"),
+    "mask_values": (RuntimeError, "mask holds values other than 0 and 1; pass 1 where a token counts, 0 where it does not"),
+    "packing_both": (ValueError, "position_ids and cu_seqlens were both given; pass one of them to say where the sequences of a packed row begin"),
+    "packing_type": (TypeError, "{name}={value!r} is not a tensor; pass an integer tensor"),
+    "position_ids_shape": (ValueError, "position_ids has shape {shape} but {name} {labels}; pass the position ids of the {name}' tokens (0 where a sequence begins)"),
+    "cu_seqlens_shape": (ValueError, "cu_seqlens has shape {shape} and dtype {dtype}; pass the cumulative sequence lengths of the flattened {name} as a 1-D integer tensor: 0, then the end of each sequence"),
+    "cu_seqlens_ends": (RuntimeError, "cu_seqlens must start at 0 and end at the {name}' {tokens} tokens, increasing; pass the cumulative sequence lengths of the flattened {name}"),
+    "cu_seqlens_rows": (RuntimeError, "cu_seqlens must begin a sequence at the first token of every row of the {name} (a multiple of {length}): a sequence may not cross rows; flatten the {name} to one row, or give each row its own sequences"),
+    "max_length_mode": (ValueError, "max_length={value!r} with mode={mode!r}: pass max_length (the constant each sequence's token sum is divided by) with 'seq-mean-token-sum-norm' only"),
+    "bad_max_length": (ValueError, "max_length={value!r}; pass a positive int"),
+    "token_losses_shape": (ValueError, "token_losses has shape {shape} but mask {mask}{at}; pass one loss per token of the mask (at the positions given)"),
+    "positions_type": (TypeError, "positions={value!r} is not a slice or a tensor; pass the positions of the last dimension this rank's losses are of, as a slice or a 1-D integer tensor"),
+    "positions_mask": (TypeError, "positions is a mask ({dtype}); pass the indices it selects, positions.nonzero().squeeze(-1), in the order of this rank's losses"),
+    "positions_dtype": (TypeError, "positions has dtype {dtype} and {dimensions} dimensions; pass a 1-D integer tensor of indices of the mask's last dimension"),
+    "positions_twice": (RuntimeError, "positions holds a position twice; pass each position this rank holds once"),
+    "sequence_split": (RuntimeError, "a row of mask begins inside a sequence (its first counted tokens come before any position_ids of 0): a per-sequence mean would count that sequence once per piece; keep each sequence in one microbatch, or pass the whole sequence's mask and position_ids with the positions= this piece holds, which counts its share"),
+}
+# fmt: on
+add_messages(_MESSAGES)
 
 
 def count_tokens(

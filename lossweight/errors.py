@@ -2,8 +2,12 @@
 
 This module imports nothing. :func:`error` makes a host error from a code and the values its
 message names; a check on a device or in a compiled graph takes its fixed text from
-:func:`device_message`, so both say the same words. docs/errors.md lists an input for each code
-that one line in one process raises; tests/test_error_table.py names the test of each other one.
+:func:`device_message`, so both say the same words. ``MESSAGES`` holds the rows of the core's
+errors; each optional module (the counting helpers, the parallel layouts, ``lossweight.testing``
+and each integration) defines its rows beside its code and adds them with :func:`add_messages`
+when it is imported, before it can raise, so that one table holds every row at run time.
+docs/errors.md lists an input for each code that one line in one process raises;
+tests/test_error_table.py names the test of each other one.
 """
 
 from __future__ import annotations
@@ -30,9 +34,6 @@ MESSAGES: dict[str, tuple[type[Exception], str]] = {
     "terms_and_options": (ValueError, "Accumulator() got terms= and {names}; pass loss_reduction and weight_by for one loss, or terms=[...] with them set in each Term"),
     "not_a_collective": (TypeError, "collective={value!r} is not a Collective; implement world_size, device, can_reduce_on() and all_reduce_sum() (see lossweight.Collective)"),
     "collective_class": (TypeError, "collective={value!r} is a class, not a Collective; pass an instance: collective={name}(...)"),
-    "mesh_unnamed": (ValueError, "group={mesh!r} is a DeviceMesh of several dimensions without names; name them (init_device_mesh(..., mesh_dim_names=('dp', 'cp'))), so that its ranks can be flattened into one group"),
-    "mesh_model_parallel": (ValueError, "group={mesh!r} has the mesh dimension {name!r}, whose ranks hold the same data (tensor or pipeline parallel): counting over it would count each item once per rank of it; pass the data-parallel dimensions only, such as group=mesh['dp', 'cp'], or for pipeline stages, name their dimension: group=mesh['pp', 'dp'], pipeline='pp'"),
-    "mesh_partial": (ValueError, "group={mesh!r} holds part of a dimension of its root mesh {root!r} (as a mesh made with DeviceMesh._unflatten does), so lossweight cannot see which of the root's ranks hold the same data as which; make the mesh with init_device_mesh(..., mesh_dim_names=...) and pass group= a slice of it by name, such as group=mesh['dp']"),
     "pipeline_dimension": (ValueError, "pipeline={value!r} is not a dimension of group={group!r} (its dimensions: {names}); pass group= the DeviceMesh of the data-parallel and pipeline dimensions, such as group=mesh['pp', 'dp'], and pipeline= the name of its pipeline dimension, pipeline='pp'"),
     "not_the_loss_stage": (RuntimeError, "{caller}() was called in step {step} on a rank whose pipeline stage is not the last one (pipeline= names the dimension of the stages): the last stage, on the last rank of that dimension, computes the loss; call scale_loss() in the loss function of the schedule, which torch runs on the last stage, and begin() and end() only on the other stages (schedules that put the last stage on the first rank, V-shaped ones such as ScheduleZBVZeroBubble and ScheduleDualPipeV, are not supported)"),
     "group_and_collective": (ValueError, "group={group!r} and collective={collective!r} were both given; pass one: group for a torch.distributed process group, collective for anything else"),
@@ -108,7 +109,6 @@ MESSAGES: dict[str, tuple[type[Exception], str]] = {
     "not_picklable": (TypeError, "an Accumulator given a group or a collective cannot be pickled, since a process group cannot; save acc.state_dict() and load it into a new Accumulator with load_state_dict()"),
     "disagree": (DisagreementError, "lossweight: the data-parallel ranks disagree on {field} in one reduction of a step; every rank must make the same calls (begin(), end(), flush(), abandon()) for the same steps, with Accumulators of the same options"),
     "total_too_large": (ValueError, "lossweight: the step's total {name} over all ranks is 2**62 or more, beyond what lossweight reduces exactly; count the items of one optimizer step only"),
-    "peers_differ": (DisagreementError, "lossweight: ranks that differ only along the mesh dimensions {dimensions} of the group's root mesh, which group= does not span, gave different counts in one reduction of a step. The ranks along a dimension outside group= must hold the same data, as tensor-parallel ranks do: the reduction spans them and counts each item once. If the ranks along {dimensions} hold different data (data or context parallel, a dimension of HSDP), count over it: group=mesh{suggested}; if they are tensor-parallel ranks, give each the counts of the whole batch, not of its own shard (of a vocabulary-parallel loss's labels, say); if they are pipeline stages, name their dimension in group= and pipeline= (group=mesh['pp', 'dp'], pipeline='pp')"),
     "not_summed": (RuntimeError, "collective {collective} did not sum the payload over its {ranks} ranks: all_reduce_sum(tensor) must replace the tensor, in place, by its elementwise sum over every rank (or return a handle whose wait() does)"),
     # Checks of the reduced numbers: on the host, on a device or in a compiled graph.
     "cannot_be_reduced": (DisagreementError, "lossweight step {step} (mod 2**16) cannot be reduced over {ranks} ranks: {problems}. Every rank must make the same calls (begin(), end(), flush(), abandon()) for the same steps, with Accumulators of the same options."),
@@ -123,72 +123,8 @@ MESSAGES: dict[str, tuple[type[Exception], str]] = {
     "traced_too_many": (RuntimeError, "lossweight: a compiled scale_loss() was called for more microbatches than begin() declared; declare one count per microbatch in begin()"),
     "traced_too_few": (RuntimeError, "lossweight: end() was called before every microbatch that begin() declared went through scale_loss(); pass every declared microbatch's loss through scale_loss(), or declare fewer"),
     "graph_asserts": (RuntimeError, "lossweight: scale_loss() inside torch.compile needs torch 2.9 or newer on CPU or CUDA (this is torch {version}), whose compiled graphs keep the asserts of the ranks' agreement check; upgrade torch, or call scale_loss() outside the compiled function"),
-    # Counting helpers: lossweight.counting. The checks of tensor values run on their device.
-    "logits_shape": (ValueError, "logits has shape {logits} and labels {labels}; logits must have the labels' shape plus a last dimension for the vocabulary"),
-    "labels_dtype": (TypeError, "labels has dtype {dtype}, but labels are class indices; pass an integer tensor (token ids, with ignore_index where there is no target)"),
-    "zero_dim": (ValueError, "{name} is a 0-dim tensor; pass {what} of shape (..., sequence)"),
-    "ignore_index_type": (TypeError, "ignore_index={value!r} is not an int; pass the label of the positions without a target (-100, the default of PyTorch and Hugging Face)"),
-    "mask_shape": (ValueError, "mask has shape {shape} but labels {labels}; pass a mask of the labels' shape (1 where a token counts, 0 where it does not)"),
-    "mask_values": (RuntimeError, "mask holds values other than 0 and 1; pass 1 where a token counts, 0 where it does not"),
-    "packing_both": (ValueError, "position_ids and cu_seqlens were both given; pass one of them to say where the sequences of a packed row begin"),
-    "packing_type": (TypeError, "{name}={value!r} is not a tensor; pass an integer tensor"),
-    "position_ids_shape": (ValueError, "position_ids has shape {shape} but {name} {labels}; pass the position ids of the {name}' tokens (0 where a sequence begins)"),
-    "cu_seqlens_shape": (ValueError, "cu_seqlens has shape {shape} and dtype {dtype}; pass the cumulative sequence lengths of the flattened {name} as a 1-D integer tensor: 0, then the end of each sequence"),
-    "cu_seqlens_ends": (RuntimeError, "cu_seqlens must start at 0 and end at the {name}' {tokens} tokens, increasing; pass the cumulative sequence lengths of the flattened {name}"),
-    "cu_seqlens_rows": (RuntimeError, "cu_seqlens must begin a sequence at the first token of every row of the {name} (a multiple of {length}): a sequence may not cross rows; flatten the {name} to one row, or give each row its own sequences"),
-    "max_length_mode": (ValueError, "max_length={value!r} with mode={mode!r}: pass max_length (the constant each sequence's token sum is divided by) with 'seq-mean-token-sum-norm' only"),
-    "bad_max_length": (ValueError, "max_length={value!r}; pass a positive int"),
-    "token_losses_shape": (ValueError, "token_losses has shape {shape} but mask {mask}{at}; pass one loss per token of the mask (at the positions given)"),
-    "positions_type": (TypeError, "positions={value!r} is not a slice or a tensor; pass the positions of the last dimension this rank's losses are of, as a slice or a 1-D integer tensor"),
-    "positions_mask": (TypeError, "positions is a mask ({dtype}); pass the indices it selects, positions.nonzero().squeeze(-1), in the order of this rank's losses"),
-    "positions_dtype": (TypeError, "positions has dtype {dtype} and {dimensions} dimensions; pass a 1-D integer tensor of indices of the mask's last dimension"),
-    "positions_twice": (RuntimeError, "positions holds a position twice; pass each position this rank holds once"),
-    "sequence_split": (RuntimeError, "a row of mask begins inside a sequence (its first counted tokens come before any position_ids of 0): a per-sequence mean would count that sequence once per piece; keep each sequence in one microbatch, or pass the whole sequence's mask and position_ids with the positions= this piece holds, which counts its share"),
-    # The split checker: lossweight.testing.assert_split_invariant and its splits.
-    "context_shard": (ValueError, "ContextShard(rank={rank!r}, size={size!r}): pass a size of 1 or more and a rank from 0 to size - 1"),
-    "simulated_world_size": (ValueError, "world_size={value!r}; pass a positive int, or None"),
-    "too_few_counts": (ValueError, "counts has {count} entries; the default splits of {worlds} need at least {needed} examples, one count each"),
-    "counts_per_example": (ValueError, "counts has {counts} entries but examples has {examples}; give one count per example"),
-    "example_count_negative": (ValueError, "counts[{index}]={value!r} is negative; give each example's number of items its loss covers (0 or more)"),
-    "too_few_examples": (ValueError, "len(examples) is {count}; the default splits of {worlds} need at least {needed} examples: give {needed} or more (a smaller batch leaves some splits unbuilt, and with 1 example no split differs from another)"),
-    "one_example": (ValueError, "len(examples) is {count}; splits of fewer than 2 examples cannot weigh one example against another, so nothing could differ: give at least 2 examples"),
-    "no_splits": (ValueError, "splits is empty, so the check would compare nothing: give at least one Split, or leave splits out for the default ones"),
-    "only_the_reference": (ValueError, "every split in splits is the whole batch in one microbatch on one rank, as the reference is, so the check would compare nothing: give a split of several microbatches or ranks"),
-    "not_a_split": (ValueError, "splits[{index}] is a {kind}, not a Split; make one with Split.of(name, ranks)"),
-    "split_examples": (ValueError, "splits[{index}] ({name!r}) must hold each of examples 0 to {last} once: it {wrong}"),
-    "split_ranks": (ValueError, "splits[{index}] ({name!r}) has {worlds}, but torch.distributed runs {world_size} processes, which are the ranks of every split: give splits of {world_size} ranks, or leave splits out for default_splits(counts, world_size={world_size})"),
-    "bad_rtol": (ValueError, "rtol={value!r}; pass a finite number of 0 or more (1e-5 suits float32, 1e-10 float64)"),
-    "batch_norm": (ValueError, "model has batch norm in train mode, in {modules}: it normalizes each microbatch by that microbatch's statistics, so the gradient depends on the split whatever the weighting; call .eval() on those modules for the check"),
-    "nothing_trainable": (ValueError, "model has no parameter that requires a gradient, so the check would compare nothing: pass the model the step trains"),
-    "context_parallel_type": (ValueError, "context_parallel={value!r}; pass the number of context-parallel ranks to simulate per data-parallel rank, an int of 1 or more, or None"),
-    "context_parallel_size": (ValueError, "context_parallel={value}; pass an int of 1 or more (1: each rank holds whole sequences, and the step still gets its shard), or None"),
-    "context_parallel_processes": (ValueError, "context_parallel={value} simulates ranks in one process, but torch.distributed runs {world_size} processes: run the check in one process"),
-    "checks_differ": (ValueError, "rank {rank} called assert_split_invariant with other {differ} than rank {own} (as many examples, with the same counts and splits, must run on every process): every process passes the same arguments"),
-    "reference_not_finite": (AssertionError, "the step's gradient of the whole batch in one microbatch holds NaN or inf, so no split can be compared to it: fix the loss of the whole batch first"),
-    "reference_no_gradient": (AssertionError, "the step left no gradient on the model it was given (the .grad of every parameter that requires one is None or 0 after the whole batch), so the check would compare nothing: it trains another model than its first argument (a module-level one, say), or its loss does not reach the parameters (detached, or computed under torch.no_grad())"),
-    "not_deterministic": (AssertionError, "the step is not deterministic: two runs of the whole batch in one microbatch, from the same weights, differ: {difference}. Randomness drawn in train mode (dropout called as a function, noise, sampling) differs with the microbatch's shape, so every split would differ whatever its weighting; turn it off for the check, or put the modules that draw it in eval mode{known}"),
-    "model_changed": (AssertionError, "the step changed the model passed to assert_split_invariant ({what} differs after a run), though every run gets a copy of it: it trains that model directly (a module-level one, or one its closure holds), so each run would start from the weights the previous one left; train the model the step is given as its first argument"),
-    "split_dependent": (AssertionError, "the step depends on how its {examples} examples are split: {differing} of {splits} splits differ from one microbatch on one rank{loss}:\n{problems}{random}"),
-    # Ranks simulated in one process: lossweight.testing.InProcessGroup.
-    "bad_rank": (ValueError, "rank={value!r}; pass a rank from 0 to {last}"),
-    "run_reentered": (RuntimeError, "InProcessGroup.run() is already running: it is not reentrant; call it from outside the work it runs, or use another InProcessGroup"),
-    "unlike_contributions": (RuntimeError, "all-reduce {index}: rank {rank} contributes a {dtype} tensor of shape {shape}, rank {other} a {other_dtype} tensor of shape {other_shape}; every rank must reduce tensors of the same shape and dtype in the same order, as a real process group requires"),
-    "reduce_abandoned": (RuntimeError, "all-reduce {index} of rank {rank} was abandoned when a run of this group failed before every rank started it; its result will never come"),
-    "waited_before_started": (RuntimeError, "rank {rank} waited for all-reduce {index} before rank(s) {missing} started it: driven from one thread, every rank must start an all-reduce before any rank waits for it (run a call that waits for its own all-reduce on every rank at once with InProcessGroup.run())"),
-    "rank_failed": (RuntimeError, "all-reduce {index} of rank {rank} abandoned: another rank failed"),
-    "reduce_deadlocked": (RuntimeError, "all-reduce {index} of rank {rank} can never complete: every rank still running waits, and rank(s) {missing} did not start it (the ranks issued their collectives in different numbers or orders, where a real process group would hang; issued so far: {issued})"),
-    "reduce_timed_out": (RuntimeError, "all-reduce {index} of rank {rank} never completed: rank(s) {missing} did not start it within {timeout:g} s (the ranks issued their collectives in different numbers or orders, where a real process group would hang; issued so far: {issued})"),
-    # Integrations: lossweight.integrations.accelerate and lossweight.integrations.lightning.
-    "accelerate_deepspeed": (RuntimeError, "under DeepSpeed, accelerator.backward() steps the optimizer at the step's last microbatch, before end() could rescale the gradients; count first: give the step's counts to begin() before its first microbatch"),
-    "accelerate_backward_missing": (RuntimeError, "end_if_sync() was called in step {step} when only {backpropagated} of the {scaled} losses that scale_loss() returned had gone through accelerator.backward(): ending the step now rescales the gradients without the later ones, which keep their provisional factors; call end_if_sync() after accelerator.backward(lw.scale_loss(...)), before clipping and optimizer.step()"),
-    "accelerate_no_model": (ValueError, "AcceleratorAccumulator needs the prepared model, to skip its gradient synchronization and to rescale its gradients: pass it to the constructor (AcceleratorAccumulator(accelerator, model, ...)) or to accumulate(model)"),
-    "accelerate_window_changed": (RuntimeError, "accelerator.gradient_accumulation_steps changed from {before} to {now}; build a new AcceleratorAccumulator after changing it"),
-    "accelerate_world": (RuntimeError, "the default process group has {world} ranks but the Accelerator {processes} processes; lossweight reduces over the default group, which must be the Accelerator's data-parallel world"),
-    "accelerate_unended": (RuntimeError, "the gradients of step {step} are still provisional: accelerate synchronized them at its last microbatch, and end_if_sync() was not called to rescale them; call lw.end_if_sync() after accelerator.backward() in every microbatch, before clipping and optimizer.step()"),
-    "lightning_outside_batch": (RuntimeError, "LossweightCallback.scale_loss() was called outside a training batch; add the callback to the Trainer (or return it from configure_callbacks()) so that it begins each step in on_train_batch_start"),
-    "lightning_no_step": (RuntimeError, "LossweightCallback.end() was called with no step open; call it in a training batch, after the backward of its last microbatch and before optimizer.step()"),
-    "lightning_not_backpropagated": (RuntimeError, "step {step} ends, but only {backpropagated} of the {scaled} losses that LossweightCallback.scale_loss() returned in it went through backward(): a loss scaled and not back-propagated counts in the step's weights and logged loss without adding its gradient. Call scale_loss() once per microbatch and return its value from training_step (or pass it to manual_backward())"),
-    "lightning_unweighted_backward": (RuntimeError, "a backward() during training went through no loss that LossweightCallback.scale_loss() returned, so the end of the step would rescale a gradient that no factor weighted; return the callback's scale_loss(loss, {name}=...) from training_step (automatic optimization) or pass it to manual_backward() (manual optimization)"),
+    # The table itself.
+    "code_taken": (ValueError, "the codes {codes} have other rows in lossweight.errors.MESSAGES already; give each row a code of its own"),
 }
 # fmt: on
 
@@ -202,3 +138,10 @@ def error(code: str, **fields: object) -> Exception:
 def device_message(code: str, **fields: object) -> str:
     """The fixed text of a check that runs on a device: the words :func:`error` would raise."""
     return MESSAGES[code][1].format(**fields)
+
+
+def add_messages(rows: dict[str, tuple[type[Exception], str]]) -> None:
+    """Add an optional module's rows to the table, on its import; a code keeps its one row."""
+    if taken := sorted(code for code, row in rows.items() if MESSAGES.get(code, row) != row):
+        raise error("code_taken", codes=taken)
+    MESSAGES.update(rows)

@@ -19,7 +19,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .errors import error
+from .errors import DisagreementError, add_messages, error
+
+# The rows of this module's errors, added to lossweight.errors.MESSAGES when it is imported.
+# fmt: off
+_MESSAGES: dict[str, tuple[type[Exception], str]] = {
+    "mesh_unnamed": (ValueError, "group={mesh!r} is a DeviceMesh of several dimensions without names; name them (init_device_mesh(..., mesh_dim_names=('dp', 'cp'))), so that its ranks can be flattened into one group"),
+    "mesh_model_parallel": (ValueError, "group={mesh!r} has the mesh dimension {name!r}, whose ranks hold the same data (tensor or pipeline parallel): counting over it would count each item once per rank of it; pass the data-parallel dimensions only, such as group=mesh['dp', 'cp'], or for pipeline stages, name their dimension: group=mesh['pp', 'dp'], pipeline='pp'"),
+    "mesh_partial": (ValueError, "group={mesh!r} holds part of a dimension of its root mesh {root!r} (as a mesh made with DeviceMesh._unflatten does), so lossweight cannot see which of the root's ranks hold the same data as which; make the mesh with init_device_mesh(..., mesh_dim_names=...) and pass group= a slice of it by name, such as group=mesh['dp']"),
+    "peers_differ": (DisagreementError, "lossweight: ranks that differ only along the mesh dimensions {dimensions} of the group's root mesh, which group= does not span, gave different counts in one reduction of a step. The ranks along a dimension outside group= must hold the same data, as tensor-parallel ranks do: the reduction spans them and counts each item once. If the ranks along {dimensions} hold different data (data or context parallel, a dimension of HSDP), count over it: group=mesh{suggested}; if they are tensor-parallel ranks, give each the counts of the whole batch, not of its own shard (of a vocabulary-parallel loss's labels, say); if they are pipeline stages, name their dimension in group= and pipeline= (group=mesh['pp', 'dp'], pipeline='pp')"),
+}
+# fmt: on
+add_messages(_MESSAGES)
 
 if TYPE_CHECKING:
     from .terms import Layout

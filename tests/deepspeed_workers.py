@@ -447,6 +447,19 @@ def scale_after_end_after_step(engine: Any, lw: Any, step: int, rank: int, mine:
     lw.end()
 
 
+def scale_after_step_at_end(engine: Any, lw: Any, step: int, rank: int, mine: list) -> None:
+    """Scaled after, each engine.step() off DeepSpeed's boundary right after its backward, the
+    one at the boundary after end()."""
+    lw.begin(parameters=engine.module.parameters())
+    for microbatch, rows in enumerate(mine):
+        loss = loss_of(engine, step, rank, microbatch, rows)
+        engine.backward(lw.scale_loss(loss, num_samples=rows))
+        if not engine.is_gradient_accumulation_boundary():
+            engine.step()
+    lw.end()
+    engine.step()
+
+
 def by_hand(engine: Any, lw: Any, step: int, rank: int, mine: list[int]) -> None:
     """Scaled with backward_scale(i), ended before the window's last engine.step()."""
     lw.begin(num_samples=mine)
@@ -482,6 +495,9 @@ STRAYS: dict[str, tuple[Any, int, list, dict[str, Any]]] = {
     # name: (loop, or one per window; ZeRO stage; windows; engine config)
     "end-after-step/short": (end_after_step, 2, SHORT_THEN_FULL, {}),
     "end-after-step/scale-after": (scale_after_end_after_step, 0, SHORT_THEN_FULL, {}),
+    "end-after-step/scale-after-full": (scale_after_end_after_step, 0, WINDOWS[:1], {}),
+    "end-after-step/scale-after-long": (scale_after_end_after_step, 0, LONG_THEN_FULL, {}),
+    "step-at-end/scale-after-long": (scale_after_step_at_end, 0, LONG_THEN_FULL, {}),
     "by-hand/long": (by_hand, 0, LONG_THEN_FULL, {}),
     # A short count-first window leaves DeepSpeed's count 2 microbatches into its next.
     "by-hand/after-short": ([documented, by_hand, by_hand], 2, [*SHORT_THEN_FULL, WINDOWS[1]], {}),

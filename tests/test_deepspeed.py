@@ -132,6 +132,12 @@ def test_a_window_of_other_length_than_the_engines_is_one_exact_update(
         # Scaling after, 2 microbatches and an engine.step() each: DeepSpeed's count reached
         # no boundary, so nothing was reduced or updated.
         ("end-after-step/scale-after", "its last microbatch (1) was not the boundary"),
+        # Scaling after, 4 microbatches under 3 accumulation steps, stepped at the boundary
+        # only after end(): DeepSpeed reduced at the third, and the fourth came after it.
+        (
+            "step-at-end/scale-after-long",
+            "in step 1, microbatch 2 was DeepSpeed's accumulation boundary",
+        ),
     ],
 )
 def test_a_loop_the_engine_would_step_wrongly_is_refused_before_the_update(
@@ -143,6 +149,31 @@ def test_a_loop_the_engine_would_step_wrongly_is_refused_before_the_update(
         # Every window before the refusal was exact, and the refused one updated nothing.
         assert all(error < UPDATE for error in seen["errors"]), seen["errors"]
         assert seen["unchanged"] is True, seen
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        # Scaling after, an engine.step() after each microbatch: DeepSpeed's count reaches its
+        # boundary at the third microbatch and updates with provisional gradients, which end()
+        # can no longer rescale; the next microbatch, or end(), says so.
+        (
+            "end-after-step/scale-after-long",
+            "DeepSpeed updated the parameters during step 1, at the engine.step() after "
+            "microbatch 2, before microbatch 3",
+        ),
+        (
+            "end-after-step/scale-after-full",
+            "end() of step 1 came after the engine.step() that updated the parameters",
+        ),
+    ],
+)
+def test_an_update_inside_a_scale_after_step_is_reported(
+    strays: list[dict], case: str, message: str
+) -> None:
+    for rank in strays:
+        seen = rank[case]
+        assert seen["error"] is not None and message in seen["error"], seen
 
 
 @pytest.mark.parametrize("stage", [0, 2])

@@ -64,10 +64,23 @@ from accelerate import Accelerator  # type: ignore[import-untyped]  # ships no p
 from accelerate.utils import DistributedType  # type: ignore[import-untyped]
 
 from ..accumulator import Accumulator, Count, Counts, StepContext
-from ..errors import error
+from ..errors import add_messages, error
 from ..machine import COUNT_FIRST, SCALE_AFTER
 from ..result import StepResult
 from ..weighting import GradReduction, LossReduction
+
+# The rows of this module's errors, added to lossweight.errors.MESSAGES when it is imported.
+# fmt: off
+_MESSAGES: dict[str, tuple[type[Exception], str]] = {
+    "accelerate_deepspeed": (RuntimeError, "under DeepSpeed, accelerator.backward() steps the optimizer at the step's last microbatch, before end() could rescale the gradients; count first: give the step's counts to begin() before its first microbatch"),
+    "accelerate_backward_missing": (RuntimeError, "end_if_sync() was called in step {step} when only {backpropagated} of the {scaled} losses that scale_loss() returned had gone through accelerator.backward(): ending the step now rescales the gradients without the later ones, which keep their provisional factors; call end_if_sync() after accelerator.backward(lw.scale_loss(...)), before clipping and optimizer.step()"),
+    "accelerate_no_model": (ValueError, "AcceleratorAccumulator needs the prepared model, to skip its gradient synchronization and to rescale its gradients: pass it to the constructor (AcceleratorAccumulator(accelerator, model, ...)) or to accumulate(model)"),
+    "accelerate_window_changed": (RuntimeError, "accelerator.gradient_accumulation_steps changed from {before} to {now}; build a new AcceleratorAccumulator after changing it"),
+    "accelerate_world": (RuntimeError, "the default process group has {world} ranks but the Accelerator {processes} processes; lossweight reduces over the default group, which must be the Accelerator's data-parallel world"),
+    "accelerate_unended": (RuntimeError, "the gradients of step {step} are still provisional: accelerate synchronized them at its last microbatch, and end_if_sync() was not called to rescale them; call lw.end_if_sync() after accelerator.backward() in every microbatch, before clipping and optimizer.step()"),
+}
+# fmt: on
+add_messages(_MESSAGES)
 
 __all__ = ["AcceleratorAccumulator"]
 

@@ -59,8 +59,32 @@ import torch
 from .. import Accumulator, machine
 from ..accumulator import Count, Counts, Factors, Losses, StepContext
 from ..collectives import Waitable, start_all_reduce
+from ..errors import add_messages, error
 from ..result import StepResult
 from ..weighting import GradReduction
+
+# The rows of this module's errors, added to lossweight.errors.MESSAGES when it is imported.
+# fmt: off
+_MESSAGES: dict[str, tuple[type[Exception], str]] = {
+    "deepspeed_engine_decides": (ValueError, "DeepSpeedAccumulator got {name}={value!r}, which the engine decides: it divides each loss by its gradient accumulation steps ({steps}) and averages the ranks' gradients; drop {name}"),
+    "deepspeed_pipeline": (ValueError, "DeepSpeedAccumulator got a PipelineEngine, whose train_batch() runs the whole step itself; weight a pipeline's loss inside its loss function instead"),
+    "deepspeed_sequence_parallel": (ValueError, "DeepSpeedAccumulator does not support sequence parallelism yet (sequence_parallel_size={size}): DeepSpeed averages the gradients over the sequence-data-parallel group, not the world"),
+    "deepspeed_unmanaged": (ValueError, "DeepSpeedAccumulator got an engine with managed_gradient_accumulation false, whose every engine.step() reduces and updates with the gradients it has, and whose boundary cannot be placed on a step's last microbatch; set \"managed_gradient_accumulation\": true (the default) in the DeepSpeed config"),
+    "deepspeed_stranded": (RuntimeError, "step {step} was abandoned after its backward, and ZeRO stage {stage} keeps that step's partial gradients, which the next step would add to; restart from a checkpoint with a new engine and DeepSpeedAccumulator, or end() a step instead of abandoning it"),
+    "deepspeed_window_changed": (ValueError, "the engine's gradient accumulation steps changed from {before:g} to {now} (set_train_batch_size()); make a new DeepSpeedAccumulator for the engine, and load this one's state_dict() into it"),
+    "deepspeed_scale_after": (ValueError, "begin(parameters=...) scales after, but ZeRO stage {stage} moves the gradients into its partitions during the backward, where end() cannot rescale them; count first: begin(num_tokens=[...]) with every microbatch's count"),
+    "deepspeed_compiled": (RuntimeError, "DeepSpeedAccumulator.scale_loss() runs eagerly: it tells the engine where the step ends, which a compiled graph cannot; compile the model, not scale_loss()"),
+    "deepspeed_uneven": (RuntimeError, "this rank declared {declared} microbatches for step {step}, and the {ranks:g} ranks declared {mean:g} on average: DeepSpeed reduces the gradients of one microbatch of every rank at a time, so every rank must give a step as many microbatches; pad a rank with microbatches of count 0, or split each step's rows evenly over the ranks"),
+    "deepspeed_updated_within": (RuntimeError, "DeepSpeed updated the parameters during step {step}, at the engine.step() after microbatch {after}, before microbatch {index}: that update had part of the step's gradients. Count first with scale_loss(), which puts DeepSpeed's boundary on the step's last microbatch, or give each step {every} microbatches, each followed by one engine.step(), with backward_scale(i) read just before microbatch i's backward"),
+    "deepspeed_boundary_early": (RuntimeError, "in step {step}, DeepSpeed's own count of microbatches (micro step {micro}, {every} accumulation steps) makes microbatch {index} of the step's {declared} its boundary, where it would reduce and update with part of the step's gradients. Count first with scale_loss(), which puts DeepSpeed's boundary on the step's last microbatch, or give each step {every} microbatches, each followed by one engine.step(), with backward_scale(i) read just before microbatch i's backward"),
+    "deepspeed_boundary_missed": (RuntimeError, "in step {step}, DeepSpeed's own count of microbatches (micro step {micro}, {every} accumulation steps) does not make the step's last microbatch ({index}) its boundary, so it would not reduce the step's gradients there, and would add the next step's. Count first with scale_loss(), which puts DeepSpeed's boundary on the step's last microbatch, or give each step {every} microbatches, each followed by one engine.step(), with backward_scale(i) read just before microbatch i's backward"),
+    "deepspeed_after_boundary": (RuntimeError, "in step {step}, microbatch {boundary} was DeepSpeed's accumulation boundary, where it reduced part of the step's gradients, and microbatch {index} came after it. Count first with scale_loss(), which puts DeepSpeed's boundary on the step's last microbatch, or give each step {every} microbatches, each followed by one engine.step(), with backward_scale(i) read just before microbatch i's backward"),
+    "deepspeed_before_boundary": (RuntimeError, "end() of step {step} came before DeepSpeed's gradient accumulation boundary: its last microbatch ({last}) was not the boundary of DeepSpeed's own count (micro step {micro}, {every} accumulation steps), so DeepSpeed has not reduced this step's gradients, and would add the next microbatches to them. Count first with scale_loss(), which puts DeepSpeed's boundary on the step's last microbatch, or give each step {every} microbatches, each followed by one engine.step(), with backward_scale(i) read just before microbatch i's backward"),
+    "deepspeed_ended_after_step": (RuntimeError, "end() of step {step} came after the engine.step() that updated the parameters, with the gradients end() rescales in a scale-after step; call end() after the last backward and before engine.step()"),
+    "deepspeed_unscaled_backward": (ValueError, "engine.backward(loss, scale_wrt_gas=False) in step {step}: DeepSpeedAccumulator's scale_loss() multiplies each loss by the engine's {every} accumulation steps, to undo the division that scale_wrt_gas=True makes; call engine.backward(loss)"),
+}
+# fmt: on
+add_messages(_MESSAGES)
 
 _ENGINE_DECIDES = ("framework_divides_loss_by", "grad_reduction")
 
@@ -86,31 +110,19 @@ class DeepSpeedAccumulator(Accumulator):
     def __init__(self, engine: Any, **options: Any) -> None:
         for name in _ENGINE_DECIDES:
             if name in options:
-                raise ValueError(
-                    f"DeepSpeedAccumulator got {name}={options[name]!r}, which the engine "
-                    "decides: it divides each loss by its gradient accumulation steps "
-                    f"({engine.gradient_accumulation_steps()}) and averages the ranks' "
-                    f"gradients; drop {name}"
+                raise error(
+                    "deepspeed_engine_decides",
+                    name=name,
+                    value=options[name],
+                    steps=engine.gradient_accumulation_steps(),
                 )
         if type(engine).__name__ == "PipelineEngine":
-            raise ValueError(
-                "DeepSpeedAccumulator got a PipelineEngine, whose train_batch() runs the whole "
-                "step itself; weight a pipeline's loss inside its loss function instead"
-            )
+            raise error("deepspeed_pipeline")
         if getattr(engine, "sequence_parallel_size", 1) > 1:
-            raise ValueError(
-                f"DeepSpeedAccumulator does not support sequence parallelism yet "
-                f"(sequence_parallel_size={engine.sequence_parallel_size}): DeepSpeed averages "
-                "the gradients over the sequence-data-parallel group, not the world"
-            )
+            raise error("deepspeed_sequence_parallel", size=engine.sequence_parallel_size)
         managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
         if not managed:
-            raise ValueError(
-                "DeepSpeedAccumulator got an engine with managed_gradient_accumulation false, "
-                "whose every engine.step() reduces and updates with the gradients it has, and "
-                "whose boundary cannot be placed on a step's last microbatch; set "
-                '"managed_gradient_accumulation": true (the default) in the DeepSpeed config'
-            )
+            raise error("deepspeed_unmanaged")
         steps = engine.gradient_accumulation_steps()
         # gradient_allreduce_op "sum" makes the engine sum the ranks' gradients.
         reduction: GradReduction = "mean" if getattr(engine, "gradient_average", True) else "sum"
@@ -132,27 +144,19 @@ class DeepSpeedAccumulator(Accumulator):
         """:meth:`Accumulator.begin`; scaling after only at ZeRO stage 0. DeepSpeed's own
         count of microbatches places the step's boundary until ``scale_loss()`` does."""
         if self._stranded is not None:
-            raise RuntimeError(
-                f"step {self._stranded} was abandoned after its backward, and ZeRO stage "
-                f"{self.engine.zero_optimization_stage()} keeps that step's partial gradients, "
-                "which the next step would add to; restart from a checkpoint with a new engine "
-                "and DeepSpeedAccumulator, or end() a step instead of abandoning it"
+            raise error(
+                "deepspeed_stranded",
+                step=self._stranded,
+                stage=self.engine.zero_optimization_stage(),
             )
         steps = self.engine.gradient_accumulation_steps()
         if steps != self.options.framework_divides_loss_by:
-            raise ValueError(
-                f"the engine's gradient accumulation steps changed from "
-                f"{self.options.framework_divides_loss_by:g} to {steps} "
-                "(set_train_batch_size()); make a new DeepSpeedAccumulator for the engine, and "
-                "load this one's state_dict() into it"
+            raise error(
+                "deepspeed_window_changed", before=self.options.framework_divides_loss_by, now=steps
             )
         stage = self.engine.zero_optimization_stage()
         if parameters is not None and stage > 0:
-            raise ValueError(
-                f"begin(parameters=...) scales after, but ZeRO stage {stage} moves the "
-                "gradients into its partitions during the backward, where end() cannot rescale "
-                "them; count first: begin(num_tokens=[...]) with every microbatch's count"
-            )
+            raise error("deepspeed_scale_after", stage=stage)
         counts = {"num_samples": num_samples, "num_tokens": num_tokens, "weight_sum": weight_sum}
         context = super().begin(**counts, parameters=parameters, step=step)
         self.engine.set_gradient_accumulation_boundary(None)  # a boundary left by a step before
@@ -177,10 +181,7 @@ class DeepSpeedAccumulator(Accumulator):
         """:meth:`Accumulator.scale_loss`; counting first, it also tells the engine whether
         this microbatch ends the step, where DeepSpeed reduces and steps."""
         if torch.compiler.is_compiling():
-            raise RuntimeError(
-                "DeepSpeedAccumulator.scale_loss() runs eagerly: it tells the engine where the "
-                "step ends, which a compiled graph cannot; compile the model, not scale_loss()"
-            )
+            raise error("deepspeed_compiled")
         counts = {"num_samples": num_samples, "num_tokens": num_tokens, "weight_sum": weight_sum}
         scaled = super().scale_loss(loss, **counts)
         step = self.state.step
@@ -239,12 +240,12 @@ class DeepSpeedAccumulator(Accumulator):
             handle.wait()
         ranks, total, squares = summed.tolist()  # once a step, before its first backward
         if ranks * squares != total * total:
-            raise RuntimeError(
-                f"this rank declared {window.declared} microbatches for step "
-                f"{self.state.steps}, and the {ranks:g} ranks declared {total / ranks:g} on "
-                "average: DeepSpeed reduces the gradients of one microbatch of every rank at a "
-                "time, so every rank must give a step as many microbatches; pad a rank with "
-                "microbatches of count 0, or split each step's rows evenly over the ranks"
+            raise error(
+                "deepspeed_uneven",
+                declared=window.declared,
+                step=self.state.steps,
+                ranks=ranks,
+                mean=total / ranks,
             )
 
     def _before_backward(self, index: int, last: bool | None) -> None:
@@ -256,31 +257,37 @@ class DeepSpeedAccumulator(Accumulator):
         self._agree(window)
         engine, steps = self.engine, self.state.steps
         if engine.global_steps != window.updates:
-            raise RuntimeError(
-                f"DeepSpeed updated the parameters during step {steps}, at the engine.step() "
-                f"after microbatch {window.boundaries[-1] if window.boundaries else '?'}, "
-                f"before microbatch {index}: that update had part of the step's gradients. "
-                f"{self._fix()}"
+            after = window.boundaries[-1] if window.boundaries else "?"
+            raise error(
+                "deepspeed_updated_within",
+                step=steps,
+                after=after,
+                index=index,
+                every=engine.gradient_accumulation_steps(),
             )
         boundary = bool(engine.is_gradient_accumulation_boundary())
         if last is not None and boundary != last:
-            where = (
-                f"makes microbatch {index} of the step's {window.declared} its boundary, where "
-                "it would reduce and update with part of the step's gradients"
-                if boundary
-                else f"does not make the step's last microbatch ({index}) its boundary, so it "
-                "would not reduce the step's gradients there, and would add the next step's"
-            )
-            raise RuntimeError(
-                f"in step {steps}, DeepSpeed's own count of microbatches (micro step "
-                f"{engine.micro_steps}, {engine.gradient_accumulation_steps()} accumulation "
-                f"steps) {where}. {self._fix()}"
+            every, micro = engine.gradient_accumulation_steps(), engine.micro_steps
+            if boundary:
+                declared = window.declared
+                raise error(
+                    "deepspeed_boundary_early",
+                    step=steps,
+                    micro=micro,
+                    every=every,
+                    index=index,
+                    declared=declared,
+                )
+            raise error(
+                "deepspeed_boundary_missed", step=steps, micro=micro, every=every, index=index
             )
         if window.boundaries and window.boundaries[-1] != index:
-            raise RuntimeError(
-                f"in step {steps}, microbatch {window.boundaries[-1]} was DeepSpeed's "
-                f"accumulation boundary, where it reduced part of the step's gradients, and "
-                f"microbatch {index} came after it. {self._fix()}"
+            raise error(
+                "deepspeed_after_boundary",
+                step=steps,
+                boundary=window.boundaries[-1],
+                index=index,
+                every=engine.gradient_accumulation_steps(),
             )
         if boundary and index not in window.boundaries:
             window.boundaries.append(index)
@@ -291,28 +298,16 @@ class DeepSpeedAccumulator(Accumulator):
         if window.last < 0 and step.declared == 0:
             return  # no microbatch on any rank: nothing reached DeepSpeed
         if window.boundaries != [window.last]:
-            raise RuntimeError(
-                f"end() of step {self.state.steps} came before DeepSpeed's gradient "
-                f"accumulation boundary: its last microbatch ({window.last}) was not the "
-                f"boundary of DeepSpeed's own count (micro step {self.engine.micro_steps}, "
-                f"{self.engine.gradient_accumulation_steps()} accumulation steps), so DeepSpeed "
-                "has not reduced this step's gradients, and would add the next microbatches "
-                f"to them. {self._fix()}"
+            every = self.engine.gradient_accumulation_steps()
+            raise error(
+                "deepspeed_before_boundary",
+                step=self.state.steps,
+                last=window.last,
+                micro=self.engine.micro_steps,
+                every=every,
             )
         if updates and step.mode != machine.COUNT_FIRST:
-            raise RuntimeError(
-                f"end() of step {self.state.steps} came after the engine.step() that updated "
-                "the parameters, with the gradients end() rescales in a scale-after step; "
-                "call end() after the last backward and before engine.step()"
-            )
-
-    def _fix(self) -> str:
-        every = self.engine.gradient_accumulation_steps()
-        return (
-            "Count first with scale_loss(), which puts DeepSpeed's boundary on the step's last "
-            f"microbatch, or give each step {every} microbatches, each followed by one "
-            "engine.step(), with backward_scale(i) read just before microbatch i's backward"
-        )
+            raise error("deepspeed_ended_after_step", step=self.state.steps)
 
     def abandon(self) -> None:
         """:meth:`Accumulator.abandon`. At ZeRO stage 0 the step's gradients are dropped too
@@ -343,12 +338,8 @@ def _refusing_unscaled(backward: Callable[..., Any], owner: DeepSpeedAccumulator
     def checked(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         scale_wrt_gas = kwargs.get("scale_wrt_gas", args[1] if len(args) > 1 else True)
         if not scale_wrt_gas and owner.step_open:
-            raise ValueError(
-                f"engine.backward(loss, scale_wrt_gas=False) in step {owner.steps}: "
-                "DeepSpeedAccumulator's scale_loss() multiplies each loss by the engine's "
-                f"{owner.engine.gradient_accumulation_steps()} accumulation steps, to undo "
-                "the division that scale_wrt_gas=True makes; call engine.backward(loss)"
-            )
+            every = owner.engine.gradient_accumulation_steps()
+            raise error("deepspeed_unscaled_backward", step=owner.steps, every=every)
         return backward(loss, *args, **kwargs)
 
     return checked

@@ -65,7 +65,23 @@ from transformers.utils.import_utils import is_sagemaker_mp_enabled
 
 from ..accumulator import Accumulator
 from ..counting import count_tokens
+from ..errors import add_messages, error
 from ..result import StepResult
+
+# The rows of this module's errors, added to lossweight.errors.MESSAGES when it is imported.
+# fmt: off
+_MESSAGES: dict[str, tuple[type[Exception], str]] = {
+    "hf_transformers_too_old": (ImportError, "lossweight.integrations.hf needs a transformers whose Trainer has the loss_is_scaled_for_ga attribute (5.24 and later); upgrade transformers"),
+    "hf_outside_step": (RuntimeError, "{trainer}.training_step() ran outside a step: its steps begin before the first loss of each optimizer step, from Trainer.train()"),
+    "hf_batch_type": (TypeError, "LossweightTrainer counts the rows and labels of dict batches, but the data collator returned a {kind}; return a dict with 'labels' (and 'input_ids')"),
+    "hf_shift_unknown": (ValueError, "LossweightTrainer(weight_by='tokens') counts the labels each position's loss compares with, and cannot tell whether the loss of {model} shifts them: it is not a transformers model with a loss_function, nor holds exactly one; let the data collator return 'shift_labels' (each position's target, -100 where none), which are counted as given, or give the model a transformers loss_function"),
+    "hf_batch_uncounted": (ValueError, "LossweightTrainer(weight_by={weight_by!r}) counts each batch from {needed}, and a batch of this step has none; let the data collator return it"),
+    "hf_data_parallel": (ValueError, "LossweightTrainer does not support nn.DataParallel (n_gpu={n_gpu}): launch one process per device (torchrun or accelerate launch) for DistributedDataParallel"),
+    "hf_sagemaker": (NotImplementedError, "LossweightTrainer does not support SageMaker model parallel"),
+    "hf_model_parallel": (NotImplementedError, "LossweightTrainer weights over the whole world, which is the data-parallel group only without tensor, context or sequence parallelism (here {sizes}); use lossweight.Accumulator(group=<the data-parallel group>) in your own loop"),
+}
+# fmt: on
+add_messages(_MESSAGES)
 
 WeightBy = Literal["tokens", "samples"]
 IGNORE_INDEX = -100  # the label of a position without a target, in every Hugging Face loss
@@ -76,10 +92,7 @@ __all__ = ["LossweightTrainer"]
 if "loss_is_scaled_for_ga" not in vars(Trainer):
     # Without it, Trainer.training_step would divide the weighted loss by the accumulation
     # steps again, and the gradients would come out silently wrong.
-    raise ImportError(
-        "lossweight.integrations.hf needs a transformers whose Trainer has the "
-        "loss_is_scaled_for_ga attribute (5.24 and later); upgrade transformers"
-    )
+    raise error("hf_transformers_too_old")
 
 
 class _WeightedSteps(Trainer):
@@ -123,10 +136,7 @@ class _WeightedSteps(Trainer):
             self._in_training_step = False
         step = self.accumulator.state.step  # the step machine's state: read, never copied
         if step is None:
-            raise RuntimeError(
-                f"{type(self).__name__}.training_step() ran outside a step: its steps begin "
-                "before the first loss of each optimizer step, from Trainer.train()"
-            )
+            raise error("hf_outside_step", trainer=type(self).__name__)
         if step.scaled == step.declared:
             self.last_result = self.accumulator.end()
             self._tally.add(self.last_result)
@@ -196,11 +206,7 @@ class LossweightTrainer(_WeightedSteps):
         tokens: list[torch.Tensor] = []
         for batch in batches:
             if not isinstance(batch, Mapping):
-                raise TypeError(
-                    f"LossweightTrainer counts the rows and labels of dict batches, but the "
-                    f"data collator returned a {type(batch).__name__}; return a dict with "
-                    "'labels' (and 'input_ids')"
-                )
+                raise error("hf_batch_type", kind=type(batch).__name__)
             labels = batch.get("labels")
             rows = labels if isinstance(labels, torch.Tensor) else batch.get("input_ids")
             if isinstance(rows, torch.Tensor):
@@ -215,15 +221,7 @@ class LossweightTrainer(_WeightedSteps):
                     shift = bool(self._shifts_labels) and labels.dim() >= 2
                     tokens.append(count_tokens(labels, ignore_index=IGNORE_INDEX, shift=shift))
                 elif self.accumulator.options.weight_by == "tokens":
-                    raise ValueError(
-                        "LossweightTrainer(weight_by='tokens') counts the labels each "
-                        "position's loss compares with, and cannot tell whether the loss of "
-                        f"{type(self.model).__name__} shifts them: it is not a transformers "
-                        "model with a loss_function, nor holds exactly one; let the data "
-                        "collator return 'shift_labels' (each position's target, -100 where "
-                        "none), which are counted as given, or give the model a transformers "
-                        "loss_function"
-                    )
+                    raise error("hf_shift_unknown", model=type(self.model).__name__)
         counts: dict[str, list[int] | list[torch.Tensor]] = {}
         if len(samples) == len(batches):
             counts["num_samples"] = samples
@@ -235,11 +233,7 @@ class LossweightTrainer(_WeightedSteps):
             needed = (
                 "a 'labels' tensor" if weight_name == "num_tokens" else "'labels' or 'input_ids'"
             )
-            raise ValueError(
-                f"LossweightTrainer(weight_by={weight_by!r}) counts each batch "
-                f"from {needed}, and a batch of this step has none; let the data collator "
-                "return it"
-            )
+            raise error("hf_batch_uncounted", weight_by=weight_by, needed=needed)
         return counts
 
 
@@ -337,19 +331,11 @@ def _shifts(loss_function: Any) -> bool | None:
 
 def _check_supported(trainer: Trainer) -> None:
     if trainer.args.n_gpu > 1:
-        raise ValueError(
-            f"LossweightTrainer does not support nn.DataParallel (n_gpu={trainer.args.n_gpu}): "
-            "launch one process per device (torchrun or accelerate launch) for "
-            "DistributedDataParallel"
-        )
+        raise error("hf_data_parallel", n_gpu=trainer.args.n_gpu)
     if is_sagemaker_mp_enabled():
-        raise NotImplementedError("LossweightTrainer does not support SageMaker model parallel")
+        raise error("hf_sagemaker")
     sizes = {
         name: int(getattr(trainer, f"get_{name}_size", lambda: 1)()) for name in ("tp", "cp", "sp")
     }
     if any(size > 1 for size in sizes.values()):
-        raise NotImplementedError(
-            f"LossweightTrainer weights over the whole world, which is the data-parallel group "
-            f"only without tensor, context or sequence parallelism (here {sizes}); use "
-            "lossweight.Accumulator(group=<the data-parallel group>) in your own loop"
-        )
+        raise error("hf_model_parallel", sizes=sizes)

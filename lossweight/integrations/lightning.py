@@ -47,9 +47,20 @@ import lightning.pytorch as pl
 import torch
 
 from ..accumulator import Accumulator, Count
-from ..errors import error
+from ..errors import add_messages, error
 from ..result import StepResult
 from ..weighting import GradReduction, LossReduction
+
+# The rows of this module's errors, added to lossweight.errors.MESSAGES when it is imported.
+# fmt: off
+_MESSAGES: dict[str, tuple[type[Exception], str]] = {
+    "lightning_outside_batch": (RuntimeError, "LossweightCallback.scale_loss() was called outside a training batch; add the callback to the Trainer (or return it from configure_callbacks()) so that it begins each step in on_train_batch_start"),
+    "lightning_no_step": (RuntimeError, "LossweightCallback.end() was called with no step open; call it in a training batch, after the backward of its last microbatch and before optimizer.step()"),
+    "lightning_not_backpropagated": (RuntimeError, "step {step} ends, but only {backpropagated} of the {scaled} losses that LossweightCallback.scale_loss() returned in it went through backward(): a loss scaled and not back-propagated counts in the step's weights and logged loss without adding its gradient. Call scale_loss() once per microbatch and return its value from training_step (or pass it to manual_backward())"),
+    "lightning_unweighted_backward": (RuntimeError, "a backward() during training went through no loss that LossweightCallback.scale_loss() returned, so the end of the step would rescale a gradient that no factor weighted; return the callback's scale_loss(loss, {name}=...) from training_step (automatic optimization) or pass it to manual_backward() (manual optimization)"),
+}
+# fmt: on
+add_messages(_MESSAGES)
 
 __all__ = ["LossweightCallback"]
 

@@ -66,8 +66,26 @@ from trl.trainer.grpo_config import GRPOConfig
 from trl.trainer.grpo_trainer import GRPOTrainer
 
 from ..counting import AggregationMode, aggregate
+from ..errors import add_messages, error
 from ..terms import Term
 from .hf import _WeightedSteps
+
+# The rows of this module's errors, added to lossweight.errors.MESSAGES when it is imported.
+# fmt: off
+_MESSAGES: dict[str, tuple[type[Exception], str]] = {
+    "trl_microbatches_left": (RuntimeError, "this optimizer step needs {needed} microbatches, and {left} are left in the generation batch after microbatch {first}: an earlier optimizer step stopped before its last microbatch (an exception, or a callback that stopped the epoch); train on with a new LossweightGRPOTrainer, or resume from a checkpoint"),
+    "trl_loss_type_changed": (ValueError, "loss_type is {now!r}, and was {built!r} when this LossweightGRPOTrainer was built: its terms are normalised by the step's {unit} ({built_mode}), and {now!r} normalises otherwise ({now_mode}); change loss_type only within {same}, or build the trainer with the loss_type it trains with"),
+    "trl_kl_added": (ValueError, "beta is {value!r}, and was 0 when this LossweightGRPOTrainer was built: it has no 'kl' term (and GRPOTrainer no reference model); build the trainer with a nonzero beta, which a schedule may then change, down to 0"),
+    "trl_entropy_changed": (ValueError, "entropy_coef is {value!r}, and was {was}0 when this LossweightGRPOTrainer was built: its loss terms are fixed then; change entropy_coef between nonzero values only, or build the trainer with the bonus it trains with"),
+    "trl_compute_loss": (TypeError, "{trainer} overrides _compute_loss, which LossweightGRPOTrainer does not call in training (it computes GRPOTrainer's loss itself, over the whole step); put the change in _get_per_token_logps_and_entropies, or use GRPOTrainer"),
+    "trl_bnpo": (ValueError, "LossweightGRPOTrainer does not take loss_type='bnpo', whose normaliser is by definition the local batch's token count; loss_type='dapo' is the same loss normalised by the whole step's token count"),
+    "trl_loss_type": (ValueError, "LossweightGRPOTrainer does not support loss_type={value!r}; pass one of {types}, or use GRPOTrainer"),
+    "trl_importance_sampling": (ValueError, "importance_sampling_level={value!r}; pass 'token' or 'sequence'"),
+    "trl_unsupported": (ValueError, "LossweightGRPOTrainer does not support {name}={value!r}: lossweight cannot vouch for its weighting over a split step; set {name}={allowed!r} in the GRPOConfig, or use GRPOTrainer"),
+    "trl_generation_steps": (ValueError, "LossweightGRPOTrainer needs steps_per_generation ({generated}) to be a multiple of gradient_accumulation_steps ({accumulated}), so that each optimizer step's completions are generated before its first loss; set steps_per_generation to {accumulated} (the default) or a multiple of it"),
+}
+# fmt: on
+add_messages(_MESSAGES)
 
 __all__ = ["LossweightGRPOTrainer"]
 
@@ -142,13 +160,8 @@ class LossweightGRPOTrainer(_WeightedSteps, GRPOTrainer):  # type: ignore[misc]
             needed = self.current_gradient_accumulation_steps
             microbatches = buffered[first : first + needed]
             if len(microbatches) < needed:
-                raise RuntimeError(
-                    f"this optimizer step needs {needed} microbatches, and {len(microbatches)} "
-                    f"are left in the generation batch after microbatch {first}: an earlier "
-                    "optimizer step stopped before its last microbatch (an exception, or a "
-                    "callback that stopped the epoch); train on with a new "
-                    "LossweightGRPOTrainer, or resume from a checkpoint"
-                )
+                left = len(microbatches)
+                raise error("trl_microbatches_left", needed=needed, left=left, first=first)
             masks = [_mask(microbatch) for microbatch in microbatches]
             self.accumulator.begin(
                 num_samples=[mask.shape[0] for mask in masks],
@@ -240,27 +253,20 @@ class LossweightGRPOTrainer(_WeightedSteps, GRPOTrainer):  # type: ignore[misc]
         built, now = self._built_loss_type, self.loss_type
         if AGGREGATION[now] != AGGREGATION[built]:
             same = [name for name, way in AGGREGATION.items() if way == AGGREGATION[built]]
-            raise ValueError(
-                f"loss_type is {now!r}, and was {built!r} when this LossweightGRPOTrainer was "
-                f"built: its terms are normalised by the step's {AGGREGATION[built][1]} "
-                f"({AGGREGATION[built][0]}), and {now!r} normalises otherwise "
-                f"({AGGREGATION[now][0]}); change loss_type only within "
-                f"{' and '.join(map(repr, same))}, or build the trainer with the loss_type it "
-                "trains with"
+            raise error(
+                "trl_loss_type_changed",
+                now=now,
+                built=built,
+                unit=AGGREGATION[built][1],
+                built_mode=AGGREGATION[built][0],
+                now_mode=AGGREGATION[now][0],
+                same=" and ".join(map(repr, same)),
             )
         if self.beta != 0.0 and not self._kl_term:
-            raise ValueError(
-                f"beta is {self.beta!r}, and was 0 when this LossweightGRPOTrainer was built: "
-                "it has no 'kl' term (and GRPOTrainer no reference model); build the trainer "
-                "with a nonzero beta, which a schedule may then change, down to 0"
-            )
+            raise error("trl_kl_added", value=self.beta)
         if (self.entropy_coef != 0.0) != self._entropy_bonus:
-            raise ValueError(
-                f"entropy_coef is {self.entropy_coef!r}, and was "
-                f"{'not ' if self._entropy_bonus else ''}0 when this LossweightGRPOTrainer was "
-                "built: its loss terms are fixed then; change entropy_coef between nonzero "
-                "values only, or build the trainer with the bonus it trains with"
-            )
+            was = "not " if self._entropy_bonus else ""
+            raise error("trl_entropy_changed", value=self.entropy_coef, was=was)
 
 
 def _mask(inputs: dict[str, Any]) -> torch.Tensor:
@@ -272,27 +278,13 @@ def _mask(inputs: dict[str, Any]) -> torch.Tensor:
 
 def _check_grpo(trainer: LossweightGRPOTrainer) -> None:
     if type(trainer)._compute_loss is not GRPOTrainer._compute_loss:
-        raise TypeError(
-            f"{type(trainer).__name__} overrides _compute_loss, which LossweightGRPOTrainer "
-            "does not call in training (it computes GRPOTrainer's loss itself, over the whole "
-            "step); put the change in _get_per_token_logps_and_entropies, or use GRPOTrainer"
-        )
+        raise error("trl_compute_loss", trainer=type(trainer).__name__)
     if trainer.loss_type == "bnpo":
-        raise ValueError(
-            "LossweightGRPOTrainer does not take loss_type='bnpo', whose normaliser is by "
-            "definition the local batch's token count; loss_type='dapo' is the same loss "
-            "normalised by the whole step's token count"
-        )
+        raise error("trl_bnpo")
     if trainer.loss_type not in AGGREGATION:
-        raise ValueError(
-            f"LossweightGRPOTrainer does not support loss_type={trainer.loss_type!r}; pass one "
-            f"of {', '.join(AGGREGATION)}, or use GRPOTrainer"
-        )
+        raise error("trl_loss_type", value=trainer.loss_type, types=", ".join(AGGREGATION))
     if trainer.importance_sampling_level not in ("token", "sequence"):
-        raise ValueError(
-            f"importance_sampling_level={trainer.importance_sampling_level!r}; pass 'token' or "
-            "'sequence'"
-        )
+        raise error("trl_importance_sampling", value=trainer.importance_sampling_level)
     refused = {  # what the trainer uses, set from its GRPOConfig
         "top_entropy_quantile": (trainer.top_entropy_quantile, 1.0),
         "off_policy_mask_threshold": (trainer.off_policy_mask_threshold, None),
@@ -304,17 +296,8 @@ def _check_grpo(trainer: LossweightGRPOTrainer) -> None:
     }
     for name, (value, allowed) in refused.items():
         if value != allowed:
-            raise ValueError(
-                f"LossweightGRPOTrainer does not support {name}={value!r}: lossweight cannot "
-                f"vouch for its weighting over a split step; set {name}={allowed!r} in the "
-                "GRPOConfig, or use GRPOTrainer"
-            )
+            raise error("trl_unsupported", name=name, value=value, allowed=allowed)
     accumulated = trainer.args.gradient_accumulation_steps
     generated = cast(int, trainer.args.steps_per_generation)
     if generated % accumulated:
-        raise ValueError(
-            f"LossweightGRPOTrainer needs steps_per_generation ({generated}) to be a multiple "
-            f"of gradient_accumulation_steps ({accumulated}), so that each optimizer step's "
-            "completions are generated before its first loss; set steps_per_generation "
-            f"to {accumulated} (the default) or a multiple of it"
-        )
+        raise error("trl_generation_steps", generated=generated, accumulated=accumulated)
