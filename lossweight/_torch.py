@@ -9,7 +9,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from math import inf
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch.torch_version import TorchVersion
@@ -19,6 +19,8 @@ Groups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
 # Before torch 2.9, inductor removed _assert_async from compiled graphs, and on ROCm its
 # device asserts are compiled out: a compiled check there would pass whatever the ranks sent.
 GRAPH_ASSERTS = torch.version.hip is None and TorchVersion(torch.__version__) >= "2.9"
+# torch 2.7 gave torch._dynamo.graph_break its message argument.
+GRAPH_BREAK_MESSAGE = TorchVersion(torch.__version__) >= "2.7"
 
 
 def inferring_pipeline_shapes() -> bool:
@@ -43,8 +45,31 @@ def assert_true(flag: torch.Tensor, message: str) -> None:
 def untraced(message: str, run: Callable[[], T]) -> T:
     """``run()`` outside the graph torch.compile traces: with ``fullgraph=True`` the compile
     fails with ``message``; without it, ``run`` falls back to eager code."""
-    torch._dynamo.graph_break(message)
+    if GRAPH_BREAK_MESSAGE:
+        torch._dynamo.graph_break(message)
+    else:  # the same break, its message raised while dynamo traces this line
+        from torch._dynamo.comptime import comptime
+
+        comptime(_break_with_message)
     return torch.compiler.disable(run)()  # type: ignore[no-untyped-call,no-any-return]
+
+
+def _break_with_message(context: Any) -> None:
+    """At trace time (torch 2.6), where untraced() calls it: fail the trace with untraced()'s
+    ``message``, a graph break."""
+    message = context.get_local("message").as_python_constant()
+    # Later torch made unimplemented()'s arguments keywords; this is for torch 2.6.
+    torch._dynamo.exc.unimplemented(message)  # type: ignore[call-arg]
+
+
+def destroyed(group: torch.distributed.ProcessGroup) -> bool:
+    """Whether torch no longer knows ``group`` (destroy_process_group() tore it down): its
+    get_backend() raises, a ValueError from torch 2.7 on, a TypeError before."""
+    try:
+        torch.distributed.get_backend(group)
+    except (ValueError, TypeError):
+        return True
+    return False
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
