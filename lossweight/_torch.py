@@ -54,9 +54,20 @@ def untraced(message: str, run: Callable[[], T]) -> T:
     return torch.compiler.disable(run)()  # type: ignore[no-untyped-call,no-any-return]
 
 
+def refuse_traced(message: str) -> None:
+    """Called only while torch.compile traces: fail the trace with ``message`` (a
+    RuntimeError; on torch 2.6, whose tracer reports a raised exception without its message,
+    a graph break with it, after which the code runs eagerly)."""
+    if GRAPH_BREAK_MESSAGE:
+        raise RuntimeError(message)
+    from torch._dynamo.comptime import comptime
+
+    comptime(_break_with_message)
+
+
 def _break_with_message(context: Any) -> None:
-    """At trace time (torch 2.6), where untraced() calls it: fail the trace with untraced()'s
-    ``message``, a graph break."""
+    """At trace time (torch 2.6), where its caller calls ``comptime``: fail the trace with the
+    caller's local ``message``, a graph break."""
     message = context.get_local("message").as_python_constant()
     # Later torch made unimplemented()'s arguments keywords; this is for torch 2.6.
     torch._dynamo.exc.unimplemented(message)  # type: ignore[call-arg]

@@ -26,7 +26,9 @@ if sys.version_info < (3, 11):  # trl needs 3.11; the test extra installs it fro
 
 WORLD_SIZE = 2
 FP32 = 1e-6  # TRL's log-probabilities are float32
-VISIBLY_OFF = 0.01
+# Far above float32's agreement: GRPOTrainer alone is 4e-3 to 9e-3 off on the completions
+# sampled on torch 2.6, more on torch 2.13's.
+VISIBLY_OFF = 1e-3
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .. import Accumulator, machine
+from .. import Accumulator, _torch, machine
 from ..accumulator import Count, Counts, Losses, StepContext
 from ..result import StepResult
 from ..weighting import GradReduction
@@ -129,7 +129,7 @@ class DeepSpeedAccumulator(Accumulator):
         """:meth:`Accumulator.scale_loss`; counting first, it also tells the engine whether
         this microbatch ends the step, where DeepSpeed reduces and steps."""
         if torch.compiler.is_compiling():
-            raise RuntimeError(
+            _torch.refuse_traced(
                 "DeepSpeedAccumulator.scale_loss() runs eagerly: it tells the engine where the "
                 "step ends, which a compiled graph cannot; compile the model, not scale_loss()"
             )
