@@ -45,42 +45,24 @@ def assert_true(flag: torch.Tensor, message: str) -> None:
 def untraced(message: str, run: Callable[[], T]) -> T:
     """``run()`` outside the graph torch.compile traces: with ``fullgraph=True`` the compile
     fails with ``message``; without it, ``run`` falls back to eager code."""
-    if GRAPH_BREAK_MESSAGE:
-        torch._dynamo.graph_break(message)
-    else:  # the same break, its message raised while dynamo traces this line
-        from torch._dynamo.comptime import comptime
-
-        comptime(_break_with_message)
+    graph_break(message)
     return torch.compiler.disable(run)()  # type: ignore[no-untyped-call,no-any-return]
 
 
-def refuse_traced(message: str) -> None:
-    """Called only while torch.compile traces: fail the trace with ``message`` (a
-    RuntimeError; on torch 2.6, whose tracer reports a raised exception without its message,
-    a graph break with it, after which the code runs eagerly)."""
+def graph_break(message: str) -> None:
+    """``torch._dynamo.graph_break(message)``. torch 2.6's takes no message: the break is made
+    where dynamo traces this call, with the message (later torch made unimplemented()'s
+    arguments keywords)."""
     if GRAPH_BREAK_MESSAGE:
-        raise RuntimeError(message)
-    from torch._dynamo.comptime import comptime
+        torch._dynamo.graph_break(message)
+    else:
+        from torch._dynamo.comptime import comptime
 
-    comptime(_break_with_message)
+        def fail(context: Any) -> None:  # run by dynamo as it traces; reads no free variable
+            text = context.get_local("message").as_python_constant()
+            torch._dynamo.exc.unimplemented(text)  # type: ignore[call-arg]
 
-
-def _break_with_message(context: Any) -> None:
-    """At trace time (torch 2.6), where its caller calls ``comptime``: fail the trace with the
-    caller's local ``message``, a graph break."""
-    message = context.get_local("message").as_python_constant()
-    # Later torch made unimplemented()'s arguments keywords; this is for torch 2.6.
-    torch._dynamo.exc.unimplemented(message)  # type: ignore[call-arg]
-
-
-def destroyed(group: torch.distributed.ProcessGroup) -> bool:
-    """Whether torch no longer knows ``group`` (destroy_process_group() tore it down): its
-    get_backend() raises, a ValueError from torch 2.7 on, a TypeError before."""
-    try:
-        torch.distributed.get_backend(group)
-    except (ValueError, TypeError):
-        return True
-    return False
+        comptime(fail)
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:

@@ -174,8 +174,11 @@ class CollectiveResolver:
             group = self.mesh.group() if self.mesh is not None else self._group
             assert not isinstance(group, DeviceMesh)  # a mesh's group is made above
             self._cached = (weakref.ref(key), ProcessGroupCollective(group, self.mesh))
-        if (group := self._cached[1].group) is not None and _torch.destroyed(group):
-            raise error("group_destroyed", group=self._group)
+        if (group := self._cached[1].group) is not None:
+            try:  # get_backend() raises for a group torch no longer knows
+                dist.get_backend(group)
+            except (ValueError, TypeError):  # TypeError: torch 2.6
+                raise error("group_destroyed", group=self._group) from None
         return self._cached[1]
 
 

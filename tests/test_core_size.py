@@ -14,7 +14,8 @@ rank that scaled no loss seen by a hook and refused on every rank, torch's pipel
 shape-inference call recognised in the core again (a vendored core without ``parallel.py``
 must not count it as a microbatch), constants agreed before any factor uses them, factors by
 term name, the open scale-after steps read under a lock, and the estimate after a failed
-reduction chosen on the device. ``parallel.py``'s bound is its
+reduction chosen on the device; then 1,706: torch 2.6's graph break, which takes no message,
+made with lossweight's. ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
 
@@ -52,7 +53,7 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1696),
+    ("code lines", lambda s: s.code_lines, "<=", 1706),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
     ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 290),
     ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 329),

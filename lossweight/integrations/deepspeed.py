@@ -129,10 +129,13 @@ class DeepSpeedAccumulator(Accumulator):
         """:meth:`Accumulator.scale_loss`; counting first, it also tells the engine whether
         this microbatch ends the step, where DeepSpeed reduces and steps."""
         if torch.compiler.is_compiling():
-            _torch.refuse_traced(
+            message = (
                 "DeepSpeedAccumulator.scale_loss() runs eagerly: it tells the engine where the "
                 "step ends, which a compiled graph cannot; compile the model, not scale_loss()"
             )
+            if not _torch.GRAPH_BREAK_MESSAGE:  # torch 2.6 reports a raise without its message
+                _torch.graph_break(message)
+            raise RuntimeError(message)
         counts = {"num_samples": num_samples, "num_tokens": num_tokens, "weight_sum": weight_sum}
         scaled = super().scale_loss(loss, **counts)
         step = self.state.step
