@@ -18,7 +18,7 @@ TORCH = TorchVersion(torch.__version__)
 
 # torch 2.6's FSDP2 records events on the current stream, which a CPU stream cannot do
 # ("'Stream' object has no attribute 'record_event'"): it does not run on CPU at all there.
-FSDP2_ON_CPU = TORCH >= "2.7"
+FSDP2_ON_CPU = TORCH >= "2.7"  # tested on 2.13; 2.7 to 2.12 not run here
 # torch 2.6's pipeline schedules have no scale_grads (they always divide by the microbatches).
 SCALE_GRADS = "scale_grads" in inspect.signature(PipelineScheduleSingle.__init__).parameters
 # Without DeviceMesh._concatenate, lossweight does not join the ranks of a tensor-parallel
