@@ -9,7 +9,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from math import inf
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch.torch_version import TorchVersion
@@ -19,6 +19,8 @@ Groups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
 # Before torch 2.9, inductor removed _assert_async from compiled graphs, and on ROCm its
 # device asserts are compiled out: a compiled check there would pass whatever the ranks sent.
 GRAPH_ASSERTS = torch.version.hip is None and TorchVersion(torch.__version__) >= "2.9"
+# torch 2.7 gave torch._dynamo.graph_break its message argument.
+GRAPH_BREAK_MESSAGE = TorchVersion(torch.__version__) >= "2.7"
 
 
 def inferring_pipeline_shapes() -> bool:
@@ -43,8 +45,24 @@ def assert_true(flag: torch.Tensor, message: str) -> None:
 def untraced(message: str, run: Callable[[], T]) -> T:
     """``run()`` outside the graph torch.compile traces: with ``fullgraph=True`` the compile
     fails with ``message``; without it, ``run`` falls back to eager code."""
-    torch._dynamo.graph_break(message)
+    graph_break(message)
     return torch.compiler.disable(run)()  # type: ignore[no-untyped-call,no-any-return]
+
+
+def graph_break(message: str) -> None:
+    """``torch._dynamo.graph_break(message)``. torch 2.6's takes no message: the break is made
+    where dynamo traces this call, with the message (later torch made unimplemented()'s
+    arguments keywords)."""
+    if GRAPH_BREAK_MESSAGE:
+        torch._dynamo.graph_break(message)
+    else:
+        from torch._dynamo.comptime import comptime
+
+        def fail(context: Any) -> None:  # run by dynamo as it traces; reads no free variable
+            text = context.get_local("message").as_python_constant()
+            torch._dynamo.exc.unimplemented(text)  # type: ignore[call-arg]
+
+        comptime(fail)
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:

@@ -379,13 +379,13 @@ class _InFlight:
             self.add(reduction)
             self.estimate = reduction  # its W, unless its check fails (on an accelerator, later)
             return StepResult(step.number, reduction, reduction, [])
-        self.estimate = tensors.reduction  # its W, on a rank that refuses as on the others
         next_step = self.options.loss_logging == "next_step"
         if refusal is not None and (collective.world_size == 1 or next_step):
             raise refusal
         # A compiled step takes every microbatch through scale_loss(): its reads take none.
         unrecorded = step.unrecorded if step.factored and tensors.cursor is None else []
         loss_sum = tensors.loss_sum(known=not unrecorded)
+        self.estimate = tensors.reduction
         if next_step:
             self.pending = PendingLoss(step.number, loss_sum, collective)
             return StepResult(step.number, tensors.reduction, self.pending, unrecorded)

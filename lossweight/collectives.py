@@ -177,7 +177,7 @@ class CollectiveResolver:
         if (group := self._cached[1].group) is not None:
             try:  # get_backend() raises for a group torch no longer knows
                 dist.get_backend(group)
-            except ValueError:
+            except (ValueError, TypeError):  # TypeError: torch 2.6
                 raise error("group_destroyed", group=self._group) from None
         return self._cached[1]
 

@@ -17,6 +17,8 @@ import torch._dynamo.testing
 
 from lossweight import Accumulator, _torch
 
+from .torch_range import needs_compiled_checks
+
 Microbatch = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -37,6 +39,7 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
+@needs_compiled_checks
 def test_a_step_total_of_2_62_fails_inside_the_graph() -> None:
     acc = Accumulator(loss_reduction="sum")
     microbatch, layer = compiled(acc)
@@ -84,6 +87,7 @@ def test_compiling_scale_loss_is_refused_where_graphs_drop_asserts(
 GLOBAL_ACC = Accumulator(loss_reduction="mean")
 
 
+@needs_compiled_checks
 def test_ten_microbatches_of_a_global_accumulator_compile_two_graphs() -> None:
     import torch._dynamo.testing
 
@@ -116,6 +120,7 @@ def test_ten_microbatches_of_a_global_accumulator_compile_two_graphs() -> None:
     assert counter.frame_count == 2  # a step's first microbatch, and every other one
 
 
+@needs_compiled_checks
 def test_a_step_may_mix_eager_and_compiled_microbatches() -> None:
     acc = Accumulator(loss_reduction="sum")
     microbatch, layer = compiled(acc)
@@ -145,6 +150,7 @@ def test_a_step_may_mix_eager_and_compiled_microbatches() -> None:
     acc.abandon()
 
 
+@needs_compiled_checks
 def test_the_graphs_do_not_grow_with_the_number_of_microbatches() -> None:
     # Steps of 1 to 12 microbatches in a row, each size new: the graphs of the first sizes
     # (5 here, with the sizes of the token tensors also new) serve every later one, since
@@ -178,6 +184,7 @@ def test_the_graphs_do_not_grow_with_the_number_of_microbatches() -> None:
     assert graphs[5:] == [graphs[5]] * 7 and graphs[-1] <= 6, graphs
 
 
+@needs_compiled_checks
 def test_a_microbatch_too_many_of_a_real_model_gets_lossweight_s_message() -> None:
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 1)).double()
     acc = Accumulator(loss_reduction="sum")
@@ -193,6 +200,7 @@ def test_a_microbatch_too_many_of_a_real_model_gets_lossweight_s_message() -> No
     acc.abandon()
 
 
+@needs_compiled_checks
 def test_factors_read_in_eager_code_keep_a_compiled_step_s_loss() -> None:
     # A compiled step takes every microbatch through scale_loss(), counted on the device: its
     # factor reads take none, and its logged loss is known.

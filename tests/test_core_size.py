@@ -14,14 +14,16 @@ rank that scaled no loss seen by a hook and refused on every rank, torch's pipel
 shape-inference call recognised in the core again (a vendored core without ``parallel.py``
 must not count it as a microbatch), constants agreed before any factor uses them, factors by
 term name, the open scale-after steps read under a lock, and the estimate after a failed
-reduction chosen on the device; then 1,711 (sittings 298 and 330): a count-first ``end()`` that
+reduction chosen on the device; then 1,706 once torch 2.6's graph break, which takes no
+message, was made with lossweight's; then 1,711 (sittings 298 and 330): a count-first ``end()`` that
 refuses carries its refusal in the step's loss reduction, so that its peers raise too; then
 1,726: a float weight sum kept at its precision and checked to within that precision's
 round-off; then 1,788 once ``errors.py`` held the rows of every module's errors, and 1,728 once
 the optional modules (the counting helpers, ``parallel.py``, ``lossweight.testing``, the
 integrations) hold their own and add them to the one table when imported; then 1,769 (sittings
 301 and 342): a scale-after step's first loss walked for parameters not given to ``begin()``,
-an integer weight among half-precision ones kept exact, a refusal told to the peers kept.
+an integer weight among half-precision ones kept exact, a refusal told to the peers kept;
+then 1,779 with torch 2.6's graph break, made with lossweight's message, merged in.
 ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
@@ -60,7 +62,7 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1769),
+    ("code lines", lambda s: s.code_lines, "<=", 1779),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
     ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 301),
     ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 342),

@@ -262,7 +262,7 @@ def test_a_rank_that_ends_too_early_refuses_the_step_on_every_rank(
 def test_a_rank_that_ends_too_early_without_an_end_reduction_raises_alone() -> None:
     # loss_logging="next_step": end() reduces nothing, so the rank raises alone, and the next
     # begin() finds one rank carrying a loss that the other abandoned: refused on every rank.
-    def rank_steps(rank: int, collective: InProcessCollective) -> tuple[str, str, float]:
+    def rank_steps(rank: int, collective: InProcessCollective) -> tuple[str, str]:
         acc = Accumulator(loss_reduction="sum", collective=collective, loss_logging="next_step")
         x = torch.ones((), dtype=torch.float64, requires_grad=True)
         acc.begin(num_tokens=[2, 3])
@@ -277,19 +277,10 @@ def test_a_rank_that_ends_too_early_without_an_end_reduction_raises_alone() -> N
         with pytest.raises(DisagreementError) as next_step:
             acc.begin(num_tokens=[1])
             acc.scale_loss(x * 1.0)  # the first use of the step's totals checks them
-        acc.abandon()
-        x.grad = None
-        acc.begin(num_tokens=[1])  # then steps go on, on every rank
-        acc.scale_loss(x * (rank + 1.0)).backward()
-        acc.end()
-        acc.flush()
-        assert x.grad is not None
-        return ended, str(next_step.value), x.grad.item()
+        return ended, str(next_step.value)
 
     told, early = InProcessGroup(2).run(rank_steps)
     assert early[0].startswith("end() was called after 1 of the 2 microbatches")
     assert told[0] == "returned"
     for rank in (told, early):
         assert "a rank abandoned a step that another ended" in rank[1]
-        assert "estimate of W" not in rank[1]  # the ranks agree on it
-    assert told[2] == 1.0 and early[2] == 2.0  # each rank's loss over the 2 tokens, D = 2

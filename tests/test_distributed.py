@@ -16,6 +16,7 @@ import pytest
 from . import distributed_worker
 from .distributed_worker import MODES, SCENARIOS, TERM_MODES
 from .gloo import run_ranks, values
+from .torch_range import needs_fsdp2_on_cpu
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
@@ -24,7 +25,11 @@ def runs(request: pytest.FixtureRequest) -> list[dict]:
     return values(run_ranks(request.param, distributed_worker.run, deadline=40))
 
 
-SCENARIO_IDS = [f"{w}/{n}" for w, n in SCENARIOS]
+SCENARIO_IDS = [
+    pytest.param(f"{w}/{n}", marks=[needs_fsdp2_on_cpu] if w == "fsdp" else [], id=f"{w}/{n}")
+    for w, n in SCENARIOS
+]
+WRAPPERS = ["ddp", pytest.param("fsdp", marks=needs_fsdp2_on_cpu)]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -108,7 +113,7 @@ def test_a_next_step_loss_is_not_readable_before_it_travels(
 
 
 @pytest.mark.parametrize("mode", TERM_MODES)
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+@pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_several_terms_give_the_full_batch_gradient_and_losses(
     runs: list[dict], wrapper: str, mode: str
 ) -> None:

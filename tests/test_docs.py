@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -10,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from . import torch_range
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -36,8 +39,21 @@ def test_every_page_has_examples() -> None:
 TORCHRUN = re.compile(r"# torchrun --nproc_per_node (\d) \w+\.py\n")
 
 
+# What a block that uses these needs of torch (tests/torch_range.py): skipped without it.
+NEEDS = {
+    "fully_shard": (torch_range.FSDP2_ON_CPU, torch_range.needs_fsdp2_on_cpu),
+    "scale_grads": (torch_range.SCALE_GRADS, torch_range.needs_scale_grads),
+    "torch.compile": (torch_range.COMPILED_CHECKS, torch_range.needs_compiled_checks),
+}
+
+
 @pytest.mark.parametrize("block", PYTHON_BLOCKS)
 def test_python_block_runs_as_a_script(block: str, tmp_path: Path) -> None:
+    for feature, (available, mark) in NEEDS.items():
+        if feature in block and not available:
+            pytest.skip(mark.kwargs["reason"])
+    if "from composer" in block and importlib.util.find_spec("composer") is None:
+        pytest.skip("Composer is not installed: it pins torch < 2.7.1 (see .ci/torch-range)")
     # Each block runs as its own script, as a reader would save and run it: that is also what
     # lets torch.multiprocessing re-import a block's functions in the processes it spawns.
     script = tmp_path / "example.py"

@@ -20,6 +20,7 @@ import pytest
 
 from . import integration_workers as workers
 from .gloo import run_ranks, values
+from .torch_range import COMPILED_CHECKS, COMPILED_CHECKS_REASON, needs_compiled_checks
 
 WORLD_SIZE = 2
 EXACT = 1e-10  # fp64 end to end
@@ -300,6 +301,8 @@ def test_lightning_follows_a_gradient_accumulation_scheduler() -> None:
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:
     # About 20 s on 2 cores, most of it inductor compiling two graphs on each rank.
+    if not COMPILED_CHECKS:
+        pytest.skip(COMPILED_CHECKS_REASON)
     return values(run_ranks(WORLD_SIZE, workers.compile_run, deadline=180))
 
 
@@ -373,6 +376,7 @@ print("ok")
 """
 
 
+@needs_compiled_checks
 def test_accelerate_ends_each_step_when_scale_loss_is_compiled(tmp_path: Path) -> None:
     # A compiled scale_loss() counts its microbatches on the device, so the step machine's
     # count of scaled microbatches stays 0: the helper finds each step's last microbatch by

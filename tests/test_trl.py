@@ -21,13 +21,16 @@ import torch
 
 from . import trl_workers as workers
 from .gloo import run_ranks, values
+from .torch_range import TORCH
 
 if sys.version_info < (3, 11):  # trl needs 3.11; the test extra installs it from there on
     pytest.skip("trl needs Python 3.11 or later", allow_module_level=True)
 
 WORLD_SIZE = 2
 FP32 = 1e-6  # TRL's log-probabilities are float32
-VISIBLY_OFF = 0.01
+# Far above float32's agreement: GRPOTrainer alone is 4e-3 to 9e-3 off on the completions
+# sampled on torch 2.6, more on torch 2.13's.
+VISIBLY_OFF = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +80,11 @@ def test_grpo_trainer_alone_is_off_where_it_normalises_by_part(grpo: list[dict],
     # The data tell right from wrong: GRPOTrainer is exact where its normaliser is the step's,
     # and visibly off where it is a microbatch's (the entropy bonus) or two steps' mean.
     alone = workers.CASES[name][1]
+    if name == "dapo-two-steps-per-generation" and TORCH < "2.7":
+        pytest.skip(
+            "on the completions sampled with torch 2.6, GRPOTrainer alone is within float32 "
+            "here (1.6e-7): these data do not tell it apart on that torch"
+        )
     for outcome in grpo:
         seen = outcome[f"{name}/trl"]
         worst = max(seen["relative_errors"])

@@ -16,6 +16,9 @@ one you use.
   :class:`~lossweight.integrations.lightning.LossweightCallback`, a Lightning callback for
   automatic optimization (with ``accumulate_grad_batches``) and manual optimization
   (``pip install "/path/to/lossweight[lightning]"``).
+- :mod:`lossweight.integrations.composer`:
+  :class:`~lossweight.integrations.composer.LossweightCallback`, a MosaicML Composer callback
+  (``pip install "/path/to/lossweight[composer]"``, which needs torch < 2.7.1).
 - :mod:`lossweight.integrations.deepspeed`:
   :class:`~lossweight.integrations.deepspeed.DeepSpeedAccumulator`, an Accumulator bound to a
   DeepSpeed engine, at every ZeRO stage (``pip install "/path/to/lossweight[deepspeed]"``).
