@@ -135,11 +135,11 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     ),
     "lightning_not_backpropagated": (
         "test_integration_misuse.py",
-        "losses that LossweightCallback.scale_loss() returned",
+        "a loss scaled and not back-propagated counts in the step's weights",
     ),
     "lightning_unweighted_backward": (
         "test_integration_misuse.py",
-        "a backward() during training went through no loss that",
+        "return the callback's scale_loss(loss, ",
     ),
     "deepspeed_engine_decides": ("test_deepspeed.py", "which the engine decides"),
     "deepspeed_stranded": ("test_deepspeed.py", "keeps that step's partial gradients"),
