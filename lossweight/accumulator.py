@@ -162,7 +162,7 @@ class Accumulator:
             codes = self._flight.codes(state.steps, terms.COUNT_FIRST_BEGIN)
             carried = self._flight.carried
             tensors = CountFirst(collective, self.layout, codes, counts, carried, divisor)
-            self._flight.add(tensors.reduction)
+            self._flight.add(tensors.reduction, estimates=True)
         else:
             tensors = ScaleAfter(params, self._flight.estimated(), divisor, self.layout, loss)
             _scaling_after(tensors, True)
@@ -333,8 +333,7 @@ class _InFlight:
         of the failure yet or not (on an accelerator the total is NaN until the host knows)."""
         estimate = self.estimate
         if isinstance(estimate, payload.Reduction):
-            failed = estimate.failed
-            total = estimate.total(self.options.weight_by) if not failed else torch.tensor(math.nan)
+            total = estimate.agreed_total(self.options.weight_by)
             self.estimate = torch.where(total.isnan(), self.default, total)
         return self.estimate  # type: ignore[return-value]
 
@@ -385,7 +384,6 @@ class _InFlight:
         # A compiled step takes every microbatch through scale_loss(): its reads take none.
         unrecorded = step.unrecorded if step.factored and tensors.cursor is None else []
         loss_sum = tensors.loss_sum(known=not unrecorded)
-        self.estimate = tensors.reduction
         if next_step:
             self.pending = PendingLoss(step.number, loss_sum, collective)
             return StepResult(step.number, tensors.reduction, self.pending, unrecorded)
@@ -409,11 +407,15 @@ class _InFlight:
     def carried(self) -> torch.Tensor | None:
         return None if self.pending is None else self.pending.loss_sum
 
-    def add(self, reduction: payload.Reduction) -> None:
-        """A reduction started: it carries the loss that waited, and is checked later."""
+    def add(self, reduction: payload.Reduction, estimates: bool = False) -> None:
+        """A reduction started: it carries the loss that waited, and is checked later; one that
+        ``estimates`` (a count-first ``begin()``'s) holds the next ``E``, on every rank alike,
+        whether its step then ends, refuses or is abandoned."""
         if self.pending is not None:
             self.pending.reduction, self.pending = reduction, None
         self.unsettled.append(reduction)
+        if estimates:
+            self.estimate = reduction
 
     def reduce_loss(
         self,

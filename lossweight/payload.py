@@ -94,11 +94,6 @@ class Reduction:
         """Whether an accelerator's verdict on the check is on its way to the host."""
         return self._verdict is not None
 
-    @property
-    def failed(self) -> bool:
-        """Whether the check failed and raised its DisagreementError."""
-        return self._error is not None
-
     def wait(self) -> None:
         """Wait for the all-reduce (once), without checking it."""
         if self._handle is not None:
@@ -130,11 +125,18 @@ class Reduction:
                 self._fail(~verdict.failed, self._unsummed)
         self.settled = self._verdict is None
 
-    def total(self, count: str) -> torch.Tensor:
+    def total(self, count: str, payload: torch.Tensor | None = None) -> torch.Tensor:
         """One count total over every rank as float64, such as the step's global weight W."""
-        payload, layout = self.result(), self.layout
+        payload, layout = self.result() if payload is None else payload, self.layout
         # low + LIMB * high: the product is exact, the sum is rounded once above 2**53.
         return torch.add(payload[layout.low[count]], payload[layout.high[count]], alpha=LIMB)
+
+    def agreed_total(self, count: str) -> torch.Tensor:
+        """:meth:`total`, or NaN where the ranks' agreement fails, raising nothing: the same on
+        every rank, whether it has checked the reduction yet or not (its use raises)."""
+        self.wait()
+        total = self.total(count, self._payload)
+        return torch.where(self._agreement().all(), total, torch.nan)
 
     def normaliser(self, term: Term) -> torch.Tensor:
         """A term's ``W``: its count's total over every rank, or its constant, which waits for
@@ -163,12 +165,16 @@ class Reduction:
         payload, (sums, nonfinite) = self.result(), self.layout.losses[previous]
         return payload[sums], payload[nonfinite] > 0
 
-    def _check(self) -> None:
-        self._checked = True
+    def _agreement(self) -> torch.Tensor:
+        """Whether each checked slot of the summed payload holds what agreeing ranks sum to."""
         centre, radius = self._bounds
-        checked = (self._payload[: self.layout.checked] - centre).abs() <= radius
+        checked: torch.Tensor = (self._payload[: self.layout.checked] - centre).abs() <= radius
         if (mesh := self._peers) is not None:
             checked = torch.cat((checked, mesh.agreement(self._payload[self.layout.length :])))
+        return checked
+
+    def _check(self) -> None:
+        self._checked, checked, mesh = True, self._agreement(), self._peers
         if torch.compiler.is_compiling() and not _torch.GRAPH_ASSERTS:
             message = device_message("graph_asserts", version=torch.__version__)
             _torch.untraced(message, lambda: self._check_on_host(checked))

@@ -262,7 +262,7 @@ def test_a_rank_that_ends_too_early_refuses_the_step_on_every_rank(
 def test_a_rank_that_ends_too_early_without_an_end_reduction_raises_alone() -> None:
     # loss_logging="next_step": end() reduces nothing, so the rank raises alone, and the next
     # begin() finds one rank carrying a loss that the other abandoned: refused on every rank.
-    def rank_steps(rank: int, collective: InProcessCollective) -> tuple[str, str]:
+    def rank_steps(rank: int, collective: InProcessCollective) -> tuple[str, str, list[float]]:
         acc = Accumulator(loss_reduction="sum", collective=collective, loss_logging="next_step")
         x = torch.ones((), dtype=torch.float64, requires_grad=True)
         acc.begin(num_tokens=[2, 3])
@@ -277,10 +277,21 @@ def test_a_rank_that_ends_too_early_without_an_end_reduction_raises_alone() -> N
         with pytest.raises(DisagreementError) as next_step:
             acc.begin(num_tokens=[1])
             acc.scale_loss(x * 1.0)  # the first use of the step's totals checks them
-        return ended, str(next_step.value)
+        acc.abandon()
+        # Then the ranks go on as one: the refused step left no trace that differs by rank.
+        results = []
+        for tokens in ([1, 2], [3]):
+            acc.begin(num_tokens=tokens)
+            for count in tokens:
+                acc.scale_loss(x * float(count * count)).backward()
+            results.append(acc.end())
+        acc.flush()
+        losses = [result.loss.item() for result in results]
+        return ended, str(next_step.value), losses
 
     told, early = InProcessGroup(2).run(rank_steps)
     assert early[0].startswith("end() was called after 1 of the 2 microbatches")
     assert told[0] == "returned"
     for rank in (told, early):
         assert "a rank abandoned a step that another ended" in rank[1]
+        assert rank[2] == [5 / 3, 3.0]  # (1 + 4) / 3 tokens on each rank; 9 / 3

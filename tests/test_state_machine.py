@@ -268,6 +268,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
 
     def _new_group(self, world_size: int, weight_estimate: float) -> None:
         self.world_size = world_size
+        self.default_estimate = Fraction(float(weight_estimate))  # after a failed reduction
         self.group = InProcessGroup(world_size)
         self.calls = 0  # the all-reduces each rank has issued
         chosen = {name: self.options[name] for name in (*OPTIONS, "weight_estimate")}
@@ -465,6 +466,9 @@ class AccumulatorMachine(RuleBasedStateMachine):
         self.steps += 1
         self.calls += 1
         self.step = StepModel(self.steps, "count_first", self._divisor(), self.estimate, ranks)
+        # A count-first step's W is the next estimate from its begin() on, on every rank,
+        # whether the step then ends or is abandoned.
+        self.estimate = Fraction(float(self.step.total()))
         self._carry()
 
     def _count_format(self, data: st.DataObject, counts: list[int]) -> object:
@@ -822,6 +826,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
                 self.pending.status = "poisoned"
                 self._check_outcome(self.pending)
                 self.pending = None
+            self.estimate = self.default_estimate  # W is not known: the option's estimate
             read = data.draw(st.booleans(), label="read")
             for rank, acc in enumerate(self.accs):
                 if read:

@@ -500,6 +500,8 @@ class ScaleAfterMachine(RuleBasedStateMachine):
             step.contexts[rank] = acc.begin(**kwargs)
         self.steps["main"] += 1
         self.main = step
+        # Its W is the next estimate from begin() on, whether the step ends or is abandoned.
+        self.estimates["main"] = Fraction(step.total())
 
     def _main_ranks(self) -> list[int]:
         step = self.main
@@ -595,6 +597,7 @@ class ScaleAfterMachine(RuleBasedStateMachine):
             name = f"num_{self.other_options['weight_by']}"
             kwargs: dict[str, Any] = {name: list(weights)}
             step.contexts[OTHER] = self.other.begin(**kwargs)
+            self.estimates[OTHER] = Fraction(step.total())  # ended or abandoned
         self.steps[OTHER] += 1
         self.side = step
 
