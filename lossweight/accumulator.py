@@ -10,7 +10,6 @@ import math
 import numbers
 import sys
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, cast
 
@@ -22,7 +21,7 @@ from . import _torch, machine, payload, terms
 from .collectives import Collective, CollectiveResolver, ProcessGroupCollective
 from .errors import device_message, error
 from .result import PendingLoss, StepResult
-from .steps import CountFirst, ScaleAfter, accelerator_of
+from .steps import CountFirst, ScaleAfter, accelerator_of, not_into_another_step
 from .terms import ARGUMENTS, COUNTS, Layout, Options, Term, terms_of
 from .weighting import GradReduction, LossReduction
 
@@ -34,10 +33,6 @@ Losses = torch.Tensor | Mapping[str, torch.Tensor]
 Factors = torch.Tensor | dict[str, torch.Tensor]
 _STATE_FORMAT = 1
 F = TypeVar("F", bound=Callable[..., Any])
-# This process's open scale-after steps, whose parameters' gradients end() rescales: no other
-# Accumulator's loss may reach one. A step leaves when it closes or its Accumulator goes.
-_SCALING_AFTER: weakref.WeakSet[ScaleAfter] = weakref.WeakSet()
-_SCALING_AFTER_LOCK = threading.Lock()  # other threads' steps open and close meanwhile
 
 
 def _exclusive(method: F) -> F:
@@ -151,21 +146,25 @@ class Accumulator:
         every rank (default: ``steps + 1``), so that a rank that skips an iteration is caught at
         once. ``with acc.begin(...):`` abandons on an error."""
         given = {"samples": num_samples, "tokens": num_tokens, "weight_sum": weight_sum}
-        counts, params = _opening(given, parameters, self.options, self._resolver.stages[1])
-        declared = next((len(c) for c in counts.values() if c is not None), 0) if counts else 0
-        collective, loss = self._resolver.resolve(), self._resolver.stages[1]
-        state = machine.begin(self.state, counts is not None, declared, step, loss)
+        counts = {n: c if c is None else _counts(n, c, 1) for n, c in given.items()}
+        lengths = {n: None if c is None else len(c) for n, c in counts.items()}
+        loss = self._resolver.stages[1]
+        state = machine.begin(self.state, self.options, lengths, parameters is not None, step, loss)
+        params = [] if parameters is None else _parameter_list(parameters)
+        collective = self._resolver.resolve()
         divisor = self._flight.adopt(collective)
         self._flight.settle()
         tensors: CountFirst | ScaleAfter
-        if counts is not None:
+        if parameters is None:  # counts given: the machine opened a count-first step
+            if not loss:  # every count given, so that no reported count looks lacking here
+                size = next(len(c) for c in counts.values() if c is not None)
+                counts = {name: [0] * size for name in counts}
             codes = self._flight.codes(state.steps, terms.COUNT_FIRST_BEGIN)
             carried = self._flight.carried
             tensors = CountFirst(collective, self.layout, codes, counts, carried, divisor)
             self._flight.add(tensors.reduction, estimates=True)
         else:
             tensors = ScaleAfter(params, self._flight.estimated(), divisor, self.layout, loss)
-            _scaling_after(tensors, True)
         self.state, self._tensors, self._collective = state, tensors, collective
         return StepContext(self, state.steps)
 
@@ -191,18 +190,12 @@ class Accumulator:
         if any(given):  # validated; a count-first step checks them against begin()'s
             counts = {n: c if c is None else _counts(n, c, 0) for n, c in counts.items()}
         tensors = self._tensors
-        _not_into_another_step(losses, tensors)
-        if isinstance(tensors, ScaleAfter):
-            state, _ = machine.scale(self.state, given, traced=False)
-            scaled = tensors.scale(losses, counts)
-        elif torch.compiler.is_compiling() and tensors is not None and not any(given):
-            start = machine.trace(self.state)
-            return tensors.scale_traced(losses, start)
-        else:  # count first, or no step: the machine says which
-            traced = tensors is not None and tensors.cursor is not None
-            state, index = machine.scale(self.state, given, traced)
-            assert tensors is not None
-            scaled = tensors.scale(losses, index, state.steps, counts if any(given) else None)
+        not_into_another_step(losses, tensors)
+        if torch.compiler.is_compiling() and isinstance(tensors, CountFirst) and not any(given):
+            return tensors.scale_traced(losses, machine.trace(self.state))
+        state, index = machine.scale(self.state, given, _traced(tensors))
+        assert tensors is not None  # the machine refuses a call without a step
+        scaled = tensors.scale(losses, index, state.steps, counts if any(given) else None)
         self.state = state
         return scaled
 
@@ -246,10 +239,9 @@ class Accumulator:
         assert step is not None and tensors is not None and collective is not None
         result = self._flight.end(step, tensors, collective, refusal)
         self.state, self._tensors = state, None
-        if isinstance(tensors, ScaleAfter):
-            _scaling_after(tensors, False)
-            if max_grad_norm is not None:
-                result.grad_norm = _torch.clip_norm(tensors.parameters, float(max_grad_norm))
+        tensors.close(abandoned=False)
+        if isinstance(tensors, ScaleAfter) and max_grad_norm is not None:
+            result.grad_norm = _torch.clip_norm(tensors.parameters, float(max_grad_norm))
         return result
 
     @_exclusive
@@ -258,10 +250,8 @@ class Accumulator:
         for a count-first step's reduction so that none is left in flight."""
         tensors, self._tensors = self._tensors, None
         self.state = machine.abandon(self.state)
-        if isinstance(tensors, ScaleAfter):
-            _scaling_after(tensors, False)
-        if isinstance(tensors, CountFirst):
-            tensors.reduction.wait()
+        if tensors is not None:
+            tensors.close(abandoned=True)
 
     @_exclusive
     def flush(self) -> None:
@@ -555,36 +545,7 @@ def _counts(count: str, value: object, dim: int) -> Any:
 
 def _traced(tensors: CountFirst | ScaleAfter | None) -> bool:
     """Whether the open step's scale_loss() runs compiled, counting on the device."""
-    return isinstance(tensors, CountFirst) and tensors.cursor is not None
-
-
-def _opening(
-    given: Mapping[str, object], parameters: object, options: Options, loss: bool
-) -> tuple[dict[str, Any] | None, list[torch.Tensor]]:
-    """What ``begin()`` opens: a count-first step's counts (zeros on a pipeline stage before
-    the last, whose counts are the step's), or a scale-after step's parameters."""
-    if all(count is None for count in given.values()):
-        if parameters is None:
-            raise error("neither", argument=ARGUMENTS[options.weight_by])
-        if not options.rescalable:
-            needed = ", ".join(ARGUMENTS[c] for c in options.counts) or "num_tokens"
-            shown = ", ".join(map(str, options.terms))
-            raise error("scale_after_terms", terms=shown, arguments=needed)
-        return None, _parameter_list(parameters)
-    if parameters is not None:
-        raise error("counts_and_parameters")
-    for count in options.counts:
-        if given[count] is None:
-            weighted = next(t.name for t in options.terms if t.count == count)
-            raise error("weight_missing", name=ARGUMENTS[count], term=weighted, weight_by=count)
-    counts = {n: c if c is None else _counts(n, c, 1) for n, c in given.items()}
-    if not loss:  # every count given, so that no reported count looks lacking here
-        size = next(len(c) for c in counts.values() if c is not None)
-        counts = {n: [0] * size for n in counts}
-    lengths = {ARGUMENTS[n]: len(c) for n, c in counts.items() if c is not None}
-    if len(set(lengths.values())) > 1:
-        raise error("lengths_differ", lengths=lengths)
-    return counts, []
+    return tensors is not None and tensors.cursor is not None
 
 
 def _losses(loss: object, terms_: tuple[Term, ...], caller: str) -> tuple[torch.Tensor, ...]:
@@ -601,27 +562,6 @@ def _losses(loss: object, terms_: tuple[Term, ...], caller: str) -> tuple[torch.
     for value in losses:
         _check_loss(value, caller)
     return losses
-
-
-def _scaling_after(step: ScaleAfter, open_: bool) -> None:
-    """Add ``step`` to this process's open scale-after steps, or take it out as it closes."""
-    with _SCALING_AFTER_LOCK:
-        (_SCALING_AFTER.add if open_ else _SCALING_AFTER.discard)(step)
-    if not open_:
-        step.backward.close()
-
-
-def _not_into_another_step(losses: tuple[torch.Tensor, ...], own: object) -> None:
-    """Refuse a loss whose backward reaches the parameters of another Accumulator's open
-    scale-after step: that step's end() would rescale its gradient too."""
-    # Never in a graph: dynamo would guard on the set, and a graph has no autograd graph.
-    if torch.compiler.is_compiling() or len(_SCALING_AFTER) <= isinstance(own, ScaleAfter):
-        return
-    with _SCALING_AFTER_LOCK:
-        steps = list(_SCALING_AFTER)
-    for step in steps:
-        if step is not own and any(_torch.reaches(loss, step.parameters) for loss in losses):
-            raise error("into_another_step")
 
 
 def _shape_inference(losses: tuple[torch.Tensor, ...], pipelined: bool) -> torch.Tensor | None:

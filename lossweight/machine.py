@@ -14,10 +14,11 @@ device: the caller says so (``traced``), since a graph must not read a per-step 
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from typing import NamedTuple, TypeVar
 
 from .errors import error
-from .terms import ARGUMENTS, COUNTS
+from .terms import ARGUMENTS, COUNTS, Options
 
 COUNT_FIRST, SCALE_AFTER = "count_first", "scale_after"
 T = TypeVar("T", bound=tuple[object, ...])
@@ -73,19 +74,39 @@ def _set(value: T, field: int, new: object) -> T:
 
 
 def begin(
-    state: State, count_first: bool, declared: int = 0, number: object = None, loss: bool = True
+    state: State,
+    options: Options,
+    lengths: Mapping[str, int | None],
+    parameters: bool,
+    number: object = None,
+    loss: bool = True,
 ) -> State:
-    """Open a step: ``number`` is the loop's own (the ranks agree on it), by default the next;
-    ``loss``: whether this rank computes the loss (a pipeline's last stage does, no other)."""
+    """Open a step: count first where counts are given (``lengths``: how many each has, by
+    count, None where one is not given), else scale after, with ``parameters``. ``number`` is
+    the loop's own (the ranks agree on it), by default the next; ``loss``: whether this rank
+    computes the loss (a pipeline's last stage does, no other)."""
     idle(state, "begin")
+    given = {name: length for name, length in lengths.items() if length is not None}
+    if not given and not parameters:
+        raise error("neither", argument=ARGUMENTS[options.weight_by])
+    if not given and not options.rescalable:
+        needed = ", ".join(ARGUMENTS[c] for c in options.counts) or "num_tokens"
+        raise error("scale_after_terms", terms=", ".join(map(str, options.terms)), arguments=needed)
+    if given and parameters:
+        raise error("counts_and_parameters")
+    for count in [c for c in options.counts if c not in given] if given else []:
+        term = next(t.name for t in options.terms if t.count == count)
+        raise error("weight_missing", name=ARGUMENTS[count], term=term, weight_by=count)
+    if len(set(given.values())) > 1:
+        raise error("lengths_differ", lengths={ARGUMENTS[n]: size for n, size in given.items()})
     if number is None:
         number = state.steps + 1
     elif isinstance(number, bool) or not isinstance(number, int) or number < 0:
         raise error("bad_step", value=number)
-    mode = COUNT_FIRST if count_first else SCALE_AFTER
-    step = Step(number, mode, declared if count_first else 0, loss=loss)
+    mode, declared = COUNT_FIRST if given else SCALE_AFTER, next(iter(given.values()), 0)
+    step = Step(number, mode, declared, loss=loss)
     # A count-first begin() carries a waiting loss; a scale-after step's end() does.
-    return state._replace(steps=step.number, step=step, pending=state.pending and not count_first)
+    return state._replace(steps=step.number, step=step, pending=state.pending and not given)
 
 
 def scale(state: State, given: tuple[bool, ...], traced: bool) -> tuple[State, int | None]:

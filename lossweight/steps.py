@@ -9,6 +9,7 @@ machine decides which microbatch a call takes; these classes do the arithmetic, 
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from array import array
 from collections.abc import Iterable, Mapping
@@ -70,6 +71,11 @@ class CountFirst:
         # A compiled step counts its microbatches on the device: dynamo specializes a Python
         # int reached from a global, so counting in one would compile a graph per microbatch.
         self.cursor: torch.Tensor | None = None
+
+    def close(self, abandoned: bool) -> None:
+        """An ``abandoned`` step waits for its reduction, so that none is left in flight."""
+        if abandoned:
+            self.reduction.wait()
 
     def factors(self) -> Rows:
         """Every term's factor for every microbatch (float64), made once; the first waits."""
@@ -210,6 +216,8 @@ class ScaleAfter:
     ``loss``: whether this rank computes the loss; a pipeline stage before the last one gets
     its gradients from the last one's scaled losses, and rescales them all the same."""
 
+    cursor = None  # its scale_loss() runs eagerly
+
     def __init__(
         self,
         parameters: list[torch.Tensor],
@@ -235,9 +243,21 @@ class ScaleAfter:
         self.reduction: Reduction | None = None
         self.total: torch.Tensor | None = None  # W, once end() has reduced and rescaled
         self._strays: list[torch.Tensor] = []  # parameters the first loss reaches, not given
+        with _OPEN_LOCK:
+            _OPEN.add(self)
 
-    def scale(self, losses: Losses, counts: Mapping[str, Count | None]) -> torch.Tensor:
-        """The terms' losses times their provisional factors ``w * D / E`` (``D / E``), summed."""
+    def close(self, abandoned: bool) -> None:
+        """Leave this process's open scale-after steps, ended or ``abandoned``."""
+        with _OPEN_LOCK:
+            _OPEN.discard(self)
+        self.backward.close()
+
+    def scale(
+        self, losses: Losses, index: int | None, step: int, counts: Counted | None
+    ) -> torch.Tensor:
+        """The terms' losses times their provisional factors ``w * D / E`` (``D / E``), summed
+        (the machine takes the microbatch, and requires its weight)."""
+        assert counts is not None
         if not self._losses:
             self._strays = _not_given(losses, self.parameters)
         for name, count in counts.items():
@@ -441,3 +461,22 @@ def reduction_device(collective: Collective, counts: Mapping[str, object]) -> to
         name = next(ARGUMENTS[n] for n, c in tensors.items() if c.device == device)
         raise error("cannot_reduce_on", name=name, device=device, reduces=collective.device.type)
     return device
+
+
+# This process's open scale-after steps, whose parameters' gradients end() rescales: no other
+# Accumulator's loss may reach one. A step leaves when it closes or is collected.
+_OPEN: weakref.WeakSet[ScaleAfter] = weakref.WeakSet()
+_OPEN_LOCK = threading.Lock()  # other threads' steps open and close meanwhile
+
+
+def not_into_another_step(losses: Losses, own: object) -> None:
+    """Refuse a loss whose backward reaches the parameters of another Accumulator's open
+    scale-after step: that step's end() would rescale its gradient too."""
+    # Never in a graph: dynamo would guard on the set, and a graph has no autograd graph.
+    if torch.compiler.is_compiling() or len(_OPEN) <= isinstance(own, ScaleAfter):
+        return
+    with _OPEN_LOCK:
+        steps = list(_OPEN)
+    for step in steps:
+        if step is not own and any(_torch.reaches(loss, step.parameters) for loss in losses):
+            raise error("into_another_step")

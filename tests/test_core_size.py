@@ -25,7 +25,9 @@ integrations) hold their own and add them to the one table when imported; then 1
 an integer weight among half-precision ones kept exact, a refusal told to the peers kept;
 then 1,779 with torch 2.6's graph break, made with lossweight's message, merged in; then
 1,782 (sittings 303 and 345): a count-first step's W set as the estimate at its begin(), read
-without raising where its check failed.
+without raising where its check failed; then 1,779 (sittings 303 and 350) with the rules that
+open a step in the pure machine, where the property tests reach them without torch, and the
+mode's own effects (closing, the open scale-after steps) in each mode's class.
 ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
@@ -67,7 +69,7 @@ BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
     ("code lines", lambda s: s.code_lines, "<=", 1782),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
     ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 303),
-    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 345),
+    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 350),
     ("torch-free lines", lambda s: s.torch_free_lines, ">=", 350),
     ("longest class", lambda s: s.longest_class.lines, "<=", 250),
     ("longest function", lambda s: s.longest_function.lines, "<=", 40),

@@ -26,6 +26,8 @@ from .pure import load_pure
 PURE_MODULES = load_pure()
 machine = PURE_MODULES["machine"]
 errors = PURE_MODULES["errors"]
+terms = PURE_MODULES["terms"]
+COUNTS = ("samples", "tokens", "weight_sum")
 
 
 def test_the_pure_modules_import_without_torch() -> None:
@@ -35,7 +37,9 @@ def test_the_pure_modules_import_without_torch() -> None:
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from pure import load_pure\n"
         "m = load_pure()['machine']\n"
-        "s = m.begin(m.State(), count_first=True, declared=1)\n"
+        "t = load_pure()['terms']\n"
+        "options = t.Options((t.Term('loss', 'mean'),))\n"
+        "s = m.begin(m.State(), options, {'tokens': 1}, parameters=False)\n"
         "s, index = m.scale(s, (False, False), traced=False)\n"
         "assert index == 0 and m.end(s, traced=False)[0].step is None\n"
         "assert not any(name.startswith('torch') for name in sys.modules if sys.modules[name])\n"
@@ -68,6 +72,8 @@ class OpenStep:
 
 
 GIVEN = st.tuples(st.booleans(), st.booleans(), st.booleans())  # samples, tokens, weight_sum
+# begin()'s counts: how many microbatches each count given has, None where one is not given.
+LENGTHS = st.fixed_dictionaries({c: st.one_of(st.none(), st.integers(0, 4)) for c in COUNTS})
 INDICES = st.one_of(st.integers(-1, 5), st.sampled_from([None, True, 2.0, "1"]))
 
 
@@ -76,8 +82,14 @@ class MachineModel(RuleBasedStateMachine):
         weight_by=st.sampled_from(["tokens", "samples", "weight_sum"]), logging=st.booleans()
     )
     def setup(self, weight_by: str, logging: bool) -> None:
-        self.weight = ("samples", "tokens", "weight_sum").index(weight_by)
+        self.weight, self.weight_by = COUNTS.index(weight_by), weight_by
         self.logging = "next_step" if logging else "end"
+        self.term_sets = [  # one term; terms of one count; of several counts or a constant
+            (terms.Term("loss", "mean", weight_by),),
+            (terms.Term("lm", "sum", weight_by), terms.Term("aux", "mean", weight_by)),
+            (terms.Term("lm", "mean", weight_by), terms.Term("aux", "mean", "samples")),
+            (terms.Term("lm", "sum", weight_by), terms.Term("kl", "sum", 4096)),
+        ]
         self.state = machine.State(weight_by, self.logging)
         self.steps = 0
         self.step: OpenStep | None = None
@@ -98,11 +110,25 @@ class MachineModel(RuleBasedStateMachine):
     def closed_error(self) -> str | None:
         return "no_step" if self.step is None else None
 
-    @rule(count_first=st.booleans(), declared=st.integers(0, 4), loss=st.booleans())
-    def begin(self, count_first: bool, declared: int, loss: bool) -> None:
+    @rule(data=st.data(), lengths=LENGTHS, parameters=st.booleans(), loss=st.booleans())
+    def begin(
+        self, data: st.DataObject, lengths: dict[str, int | None], parameters: bool, loss: bool
+    ) -> None:
+        options = terms.Options(data.draw(st.sampled_from(self.term_sets)), "mean", self.logging)
+        needed = {t.count for t in options.terms} - {None}
+        given = {name: size for name, size in lengths.items() if size is not None}
+        count_first, declared = bool(given), next(iter(given.values()), 0)
         error = "step_open" if self.step is not None else None
+        if error is None and not given:
+            rescalable = all(term.count == self.weight_by for term in options.terms)
+            error = None if not parameters else None if rescalable else "scale_after_terms"
+            error = "neither" if not parameters else error
+        elif error is None:
+            error = "counts_and_parameters" if parameters else None
+            error = error or ("weight_missing" if needed - set(given) else None)
+            error = error or ("lengths_differ" if len(set(given.values())) > 1 else None)
         state = self.apply(
-            error, lambda: machine.begin(self.state, count_first, declared, None, loss)
+            error, lambda: machine.begin(self.state, options, lengths, parameters, None, loss)
         )
         if error is None:
             self.state, self.steps = state, self.steps + 1
