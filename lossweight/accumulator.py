@@ -256,10 +256,11 @@ class Accumulator:
     @_exclusive
     def flush(self) -> None:
         """Reduce a loss ``loss_logging="next_step"`` left waiting, on every rank after the last
-        step: one all-reduce when a loss waits, waited for before it returns."""
+        step: one all-reduce when a loss may wait (on some rank), waited for and checked before
+        it returns."""
         state, waits = machine.flush(self.state)
         self._flight.settle(verdicts=True)  # the run may end here: wait for an accelerator's
-        if waits and self._flight.pending is not None:
+        if waits:
             collective = self._resolver.resolve()
             self._flight.adopt(collective)
             self._flight.settle()
@@ -267,6 +268,7 @@ class Accumulator:
             reduction = self._flight.reduce_loss(collective, codes, collective.device)
             self.state = state
             reduction.wait()  # once recorded: a wait that fails is retried, never re-reduced
+            self._flight.settle(verdicts=True)
         self.state = state
 
     def state_dict(self) -> dict[str, Any]:
@@ -364,8 +366,8 @@ class _InFlight:
         if isinstance(tensors, ScaleAfter):
             self.settle()
             codes = self.codes(step.number, terms.SCALE_AFTER_END)
-            reduction = tensors.finish(collective, codes, step.given, self.carried)
-            self.add(reduction)
+            # It carries the loss that waits whether its check then passes or not.
+            reduction = tensors.finish(collective, codes, step.given, self.carried, self.add)
             self.estimate = reduction  # its W, unless its check fails (on an accelerator, later)
             return StepResult(step.number, reduction, reduction, [])
         next_step = self.options.loss_logging == "next_step"

@@ -179,7 +179,12 @@ def end(state: State, traced: bool) -> tuple[State, Exception | None]:
 
 
 def abandon(state: State) -> State:
-    return state._replace(step=None)
+    """Drop the open step. A count-first one under ``loss_logging="next_step"`` leaves
+    ``flush()`` a reduction to make: a rank that ended it holds its loss, which only a
+    reduction every rank makes can carry, or find that the ranks differ."""
+    step, next_step = state.step, state.loss_logging == "next_step"
+    waits = step is not None and step.mode == COUNT_FIRST and next_step
+    return state._replace(step=None, pending=state.pending or waits)
 
 
 def flush(state: State) -> tuple[State, bool]:

@@ -12,7 +12,7 @@ import math
 import threading
 import weakref
 from array import array
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -297,8 +297,10 @@ class ScaleAfter:
         codes: tuple[int, ...],
         given: tuple[bool, ...] | None,
         carried: torch.Tensor | None,
+        started: Callable[[Reduction], object],
     ) -> Reduction:
-        """Reduce the step, then rescale its gradients: each once, even after a failure."""
+        """Reduce the step, then rescale its gradients: each once, even after a failure.
+        ``started`` is told of the reduction once it starts, before its check can fail."""
         if self.reduction is None:
             self._groups = _torch.gradient_groups(self.parameters)
             totals = {name: self._sum(name) for name in COUNTS}
@@ -311,6 +313,7 @@ class ScaleAfter:
                 collective, self._layout, codes, device, totals, flags, losses, False,
                 self._counts, unscaled, refusal,
             )  # fmt: skip
+            started(self.reduction)
         if self.total is None:
             total = self.reduction.total(self._count)
             # Applied at the gradients' precision or better, never rounded to bf16 first.

@@ -27,7 +27,9 @@ then 1,779 with torch 2.6's graph break, made with lossweight's message, merged 
 1,782 (sittings 303 and 345): a count-first step's W set as the estimate at its begin(), read
 without raising where its check failed; then 1,779 (sittings 303 and 350) with the rules that
 open a step in the pure machine, where the property tests reach them without torch, and the
-mode's own effects (closing, the open scale-after steps) in each mode's class.
+mode's own effects (closing, the open scale-after steps) in each mode's class; then 1,783
+with a scale-after end()'s reduction carrying a waiting loss whatever its check says, and
+flush() reducing on every rank after a count-first step abandoned under next_step.
 ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
@@ -66,7 +68,7 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1782),
+    ("code lines", lambda s: s.code_lines, "<=", 1783),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
     ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 303),
     ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 350),

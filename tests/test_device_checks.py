@@ -295,3 +295,43 @@ def test_a_rank_that_ends_too_early_without_an_end_reduction_raises_alone() -> N
     for rank in (told, early):
         assert "a rank abandoned a step that another ended" in rank[1]
         assert rank[2] == [5 / 3, 3.0]  # (1 + 4) / 3 tokens on each rank; 9 / 3
+
+
+@pytest.mark.parametrize("then", ["scale_after", "flush"])
+def test_after_a_rank_ends_too_early_alone_the_ranks_go_on_as_one(then: str) -> None:
+    # loss_logging="next_step": rank 1 refuses step 1 alone, rank 0 ended it and holds its
+    # loss. The next reduction every rank makes, a scale-after end() or flush(), is refused on
+    # every rank (and carries that loss away), not left unpaired; then the steps are exact.
+    def rank_steps(rank: int, collective: InProcessCollective) -> tuple[str, list[float]]:
+        acc = Accumulator(loss_reduction="sum", collective=collective, loss_logging="next_step")
+        x = torch.ones((), dtype=torch.float64, requires_grad=True)
+        acc.begin(num_tokens=[2, 3])
+        for microbatch in range(2 - rank):
+            acc.scale_loss(x * (2.0 + microbatch)).backward()
+        try:
+            acc.end()
+        except RuntimeError:
+            acc.abandon()
+        x.grad = None
+        with pytest.raises(DisagreementError) as refused:
+            if then == "flush":
+                acc.flush()
+            acc.begin(parameters=[x])
+            acc.scale_loss(x * 1.0, num_tokens=1).backward()
+            acc.end()
+        acc.abandon()
+        gradients = []
+        for count in (1, 2):
+            x.grad = None
+            acc.begin(parameters=[x])
+            acc.scale_loss(x * float(rank + count), num_tokens=rank + count).backward()
+            acc.end()
+            gradients.append(x.grad.item())  # type: ignore[union-attr]
+        acc.flush()
+        return str(refused.value), gradients
+
+    first, second = InProcessGroup(2).run(rank_steps)
+    for rank, (refused, gradients) in enumerate((first, second)):
+        assert "a rank abandoned a step that another ended" in refused
+        # (rank + count) * D / W, D = 2 ranks: W = 1 + 2, then 2 + 3
+        assert gradients == pytest.approx([2 * (rank + 1) / 3, 2 * (rank + 2) / 5], rel=1e-15)

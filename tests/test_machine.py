@@ -234,6 +234,10 @@ class MachineModel(RuleBasedStateMachine):
 
     @rule()
     def abandon(self) -> None:
+        # A count-first step abandoned under next_step: a rank that ended it holds its loss, so
+        # flush() makes a reduction on every rank.
+        step = self.step
+        self.pending |= step is not None and step.count_first and self.logging == "next_step"
         self.state, self.step = machine.abandon(self.state), None
 
     @rule()

@@ -281,6 +281,9 @@ class AccumulatorMachine(RuleBasedStateMachine):
             for rank in range(world_size)
         ]
         self.stale = [None] * world_size
+        # flush() reduces on every rank though no loss waits here: a count-first step was
+        # abandoned under next_step (a rank that ended it would hold its loss).
+        self.flush_waits = False
         self.stale_contexts = []
 
     def _terms(self) -> tuple[Term, ...]:
@@ -466,6 +469,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
         self.steps += 1
         self.calls += 1
         self.step = StepModel(self.steps, "count_first", self._divisor(), self.estimate, ranks)
+        self.flush_waits = False
         # A count-first step's W is the next estimate from its begin() on, on every rank,
         # whether the step then ends or is abandoned.
         self.estimate = Fraction(float(self.step.total()))
@@ -726,7 +730,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
         self._check_outcome(outcome)
         self.estimate = Fraction(float(total))
         self.stale_contexts = [part.context for part in step.ranks]
-        self.step = None
+        self.step, self.flush_waits = None, False
         if step.mode == "scale_after":
             self._carry()  # the previous step's loss rode on this step's reduction
         elif not reduced:
@@ -750,13 +754,18 @@ class AccumulatorMachine(RuleBasedStateMachine):
         # The step keeps its index; its gradients are left as they are.
         self.stale_contexts = [part.context for part in step.ranks]
         self.step = None
+        self.flush_waits |= step.mode == "count_first" and self._next_step()
 
-    @precondition(lambda self: self.step is None and self.pending is not None)
+    def _next_step(self) -> bool:
+        return self.options["loss_logging"] == "next_step"
+
+    @precondition(lambda self: self.step is None and (self.pending is not None or self.flush_waits))
     @rule()
     def flush(self) -> None:
         # flush() waits for the all-reduce it starts: every rank at once.
         self.group.run(lambda rank, _: self._settling(rank, self.accs[rank].flush))
         self.calls += 1
+        self.flush_waits = False
         self._carry()
 
     # Saving and loading.
@@ -803,6 +812,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
             self.pending.status = "orphaned" if fresh else "dropped"
             self._check_outcome(self.pending)
             self.pending = None
+        self.flush_waits = False
 
     # A step that cannot be reduced (a rare variant of begin_count_first and
     # begin_scale_after).
@@ -827,6 +837,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
                 self._check_outcome(self.pending)
                 self.pending = None
             self.estimate = self.default_estimate  # W is not known: the option's estimate
+            self.flush_waits = self._next_step()  # abandoned below
             read = data.draw(st.booleans(), label="read")
             for rank, acc in enumerate(self.accs):
                 if read:
@@ -851,6 +862,13 @@ class AccumulatorMachine(RuleBasedStateMachine):
 
             errors = self.group.run(refused_end)
             self.calls += 1
+            # The failed reduction carried the loss that waited; end() raised, so flush() still
+            # reduces on every rank.
+            self.flush_waits |= self.pending is not None
+            if self.pending is not None:
+                self.pending.status = "poisoned"
+                self._check_outcome(self.pending)
+                self.pending = None
             for error in errors:
                 assert f"total {name}" in str(error) and "2**62" in str(error)
             for param, grad in zip(params, before, strict=True):  # not rescaled
@@ -874,7 +892,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
     def _misuse_between_steps(self, data: st.DataObject, rank: int) -> None:
         acc = self.accs[rank]
         weight, other = self.weight_name, self.other_name
-        kinds = [] if self.pending is not None else ["flush"]
+        kinds = [] if self.pending is not None or self.flush_waits else ["flush"]
         kind = data.draw(
             st.sampled_from(
                 [
