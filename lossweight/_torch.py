@@ -137,6 +137,39 @@ def parameters_reached(tensor: torch.Tensor) -> list[torch.Tensor]:
     return found
 
 
+def fsdp_shards() -> dict[int, torch.Tensor] | None:
+    """FSDP2's sharded parameters (DTensors: a module's parameters between steps, which get the
+    reduced gradients), by the id of the unsharded parameter that FSDP2 swaps into the module
+    for its forward and backward (one tensor from the first all-gather on), which a graph
+    reaches; from each ``fully_shard``-ed module's state in torch's registry of module states.
+    None where FSDP2 is imported but they are not where torch 2.13 keeps them."""
+    fsdp = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_state")
+    if fsdp is None:  # FSDP2 is not imported: there is none
+        return {}
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+
+        states: list[Any] = [reference() for reference in list(_module_state_mapping.values())]
+        states = [state for state in states if isinstance(state, fsdp.FSDPState)]
+        # torch 2.13 has a list of groups per state; torch before it, one group or None.
+        groups = [getattr(s, "_fsdp_param_groups", None) or [s._fsdp_param_group] for s in states]
+        params = [
+            param for listed in groups for group in listed if group for param in group.fsdp_params
+        ]
+        unsharded = [(getattr(p, "_unsharded_param", None), p.sharded_param) for p in params]
+        return {id(tensor): shard for tensor, shard in unsharded if tensor is not None}
+    except (ImportError, AttributeError, TypeError):
+        return None
+
+
+def unsharded_given(sharded: list[torch.Tensor], given: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Those of ``sharded`` (FSDP2's sharded parameters) whose unsharded parameter ``given``
+    holds: a list taken from a module while FSDP2 had it unsharded."""
+    shards = fsdp_shards() or {}
+    held = {id(shards[id(p)]) for p in given if id(p) in shards}
+    return [p for p in sharded if id(p) in held]
+
+
 class BackwardSeen:
     """Whether a backward has reached the first of ``parameters`` that autograd accumulates
     into (a leaf that requires grad) since this was made: a hook on it, until :meth:`close`

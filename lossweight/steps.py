@@ -327,15 +327,20 @@ class ScaleAfter:
         nonzero, 1 if no backward reached them here (they may be its peers' scaled losses',
         summed by the loop before end(), unless no rank scaled one) or ``R**2 + 1`` if one did
         (a backward that skipped scale_loss(), refused whatever the peers did); and its own
-        error where its scaled losses reached none of the parameters."""
+        error where its scaled losses reached none of the parameters, or gradients that end()
+        would leave unscaled (of parameters not given, or FSDP2's sharded ones of a module
+        given unsharded)."""
         if self._losses:
             refusal = None
-            if not self._groups:
+            strays = _torch.unscaled(self._strays, self.parameters)
+            if strays and (unsharded := _torch.unsharded_given(strays, self.parameters)):
+                count, shapes = len(unsharded), _shapes(unsharded)
+                refusal = error("fsdp_unsharded", step=step, count=count, shapes=shapes)
+            elif not self._groups:
                 scaled, parameters = len(self._losses), len(self.parameters)
                 refusal = error("no_gradients", parameters=parameters, scaled=scaled, step=step)
-            elif strays := _torch.unscaled(self._strays, self.parameters):
-                shapes = ", ".join(str(tuple(p.shape)) for p in strays)
-                refusal = error("not_given", step=step, count=len(strays), shapes=shapes)
+            elif strays:
+                refusal = error("not_given", step=step, count=len(strays), shapes=_shapes(strays))
             return -float(ranks), refusal
         if not self._groups or not self._loss:  # a stage before the last scales nothing
             return 0.0, None
@@ -374,21 +379,30 @@ _PASSED: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int]]] = {}
 
 
 def _not_given(losses: Losses, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The parameters that ``losses`` reach and ``parameters`` lacks, whose gradients end()
-    would leave unscaled. Not looked for where the parameters are DTensors (FSDP2's shards:
-    its graph reaches the unsharded parameters instead, which no list given here holds)."""
+    """The parameters whose gradients ``losses`` reach and ``parameters`` lacks, which end()
+    would leave unscaled. FSDP2's graph reaches the unsharded parameters that it swaps into its
+    modules, and reduces their gradients into the sharded ones: those are looked for. Where
+    FSDP2 is imported but its parameters are not found (a torch that keeps them elsewhere), a
+    list of DTensors is not checked."""
     given = frozenset(map(id, parameters))
     first = parameters[0] if parameters else None
     passed = _PASSED.get(id(first))
     if first is None or (passed and passed[0]() is first and passed[1] == given):
         return []
-    if any(hasattr(p, "to_local") for p in parameters):
+    shards = _torch.fsdp_shards()
+    if shards is None and any(hasattr(p, "to_local") for p in parameters):
         return []
-    reached = {id(p): p for loss in losses for p in _torch.parameters_reached(loss)}
-    strays = [p for key, p in reached.items() if key not in given]
+    reached = [p for loss in losses for p in _torch.parameters_reached(loss)]
+    holders = [(shards or {}).get(id(p), p) for p in reached]  # an unsharded one's: its shard
+    strays = list({id(p): p for p in holders if id(p) not in given}.values())
     if not strays:
         _PASSED[id(first)] = (weakref.ref(first), given)
     return strays
+
+
+def _shapes(tensors: list[torch.Tensor]) -> str:
+    """The shapes of ``tensors`` (a DTensor's: the whole tensor's), for an error message."""
+    return ", ".join(str(tuple(p.shape)) for p in tensors)
 
 
 def _weights(rows: list[Any], device: torch.device) -> tuple[list[bool] | None, Rows]:

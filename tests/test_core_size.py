@@ -29,7 +29,9 @@ without raising where its check failed; then 1,779 (sittings 303 and 350) with t
 open a step in the pure machine, where the property tests reach them without torch, and the
 mode's own effects (closing, the open scale-after steps) in each mode's class; then 1,783
 with a scale-after end()'s reduction carrying a waiting loss whatever its check says, and
-flush() reducing on every rank after a count-first step abandoned under next_step.
+flush() reducing on every rank after a count-first step abandoned under next_step; then 1,811
+(scale-after sitting 352) with FSDP2's sharded parameters found for the unsharded ones a
+scale-after step's graph reaches, so that parameters not given are refused under FSDP2 too.
 ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
@@ -68,10 +70,10 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1783),
+    ("code lines", lambda s: s.code_lines, "<=", 1811),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
     ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 303),
-    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 350),
+    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 352),
     ("torch-free lines", lambda s: s.torch_free_lines, ">=", 350),
     ("longest class", lambda s: s.longest_class.lines, "<=", 250),
     ("longest function", lambda s: s.longest_function.lines, "<=", 40),

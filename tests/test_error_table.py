@@ -106,6 +106,7 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     "pipeline_unset": ("test_mesh.py", "to infer a stage's shapes"),
     "peers_differ": ("test_mesh.py", "which group= does not span, gave different counts"),
     "peer_refused": ("test_device_checks.py", "ranks of the reduction refused to end this step"),
+    "fsdp_unsharded": ("test_fsdp_given.py", "while it was unsharded"),
     "split_ranks": ("test_testing.py", "which are the ranks of every split"),
     "checks_differ": ("test_testing.py", "called assert_split_invariant with other"),
     "context_parallel_processes": ("test_testing.py", "simulates ranks in one process"),
