@@ -638,24 +638,24 @@ def _saved(options: Options) -> dict[str, Any]:
     return saved
 
 
-# What each field of a saved state must hold, and the error of one that does not.
-_STATE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "format": (lambda value: value == _STATE_FORMAT, "state_format"),
-    "options": (lambda value: isinstance(value, dict), "state_options"),
-    "steps": (lambda value: type(value) is int and value >= 0, "state_steps"),
-    "weight_estimate": (lambda value: terms.finite(value) and value >= 0, "state_estimate"),
-}
-
-
 def _checked_state(state_dict: object, options: Options) -> tuple[int, float]:
-    if not isinstance(state_dict, dict) or set(state_dict) != set(_STATE_FIELDS):
+    expected = {"format", "steps", "weight_estimate", "options"}
+    if not isinstance(state_dict, dict) or set(state_dict) != expected:
         keys = sorted(state_dict) if isinstance(state_dict, dict) else state_dict
-        raise error("state_keys", keys=keys, expected=sorted(_STATE_FIELDS))
-    for name, (valid, code) in _STATE_FIELDS.items():
-        if not valid(value := state_dict[name]):
-            raise error(code, value=value, format=_STATE_FORMAT)
-        # The saved estimate of W counts the items of weight_by; the rest is configuration,
-        # which a resumed run may change.
-        if name == "options" and (saved := value.get("weight_by")) != options.weight_by:
-            raise error("state_option", name="weight_by", saved=saved, value=options.weight_by)
-    return state_dict["steps"], float(state_dict["weight_estimate"])
+        raise error("state_keys", keys=keys, expected=sorted(expected))
+    if state_dict["format"] != _STATE_FORMAT:
+        raise error("state_format", value=state_dict["format"], format=_STATE_FORMAT)
+    if not isinstance(saved := state_dict["options"], dict):
+        raise error("state_options", value=saved)
+    # The saved estimate of W counts the items of weight_by; the rest is configuration, which
+    # a resumed run may change.
+    if saved.get("weight_by") != options.weight_by:
+        raise error(
+            "state_option", name="weight_by", saved=saved.get("weight_by"), value=options.weight_by
+        )
+    steps, estimate = state_dict["steps"], state_dict["weight_estimate"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise error("state_steps", value=steps)
+    if not terms.finite(estimate) or estimate < 0:
+        raise error("state_estimate", value=estimate)
+    return steps, float(estimate)

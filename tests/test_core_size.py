@@ -31,8 +31,7 @@ mode's own effects (closing, the open scale-after steps) in each mode's class; t
 with a scale-after end()'s reduction carrying a waiting loss whatever its check says, and
 flush() reducing on every rank after a count-first step abandoned under next_step; then 1,811
 (scale-after sitting 352) with FSDP2's sharded parameters found for the unsharded ones a
-scale-after step's graph reaches, so that parameters not given are refused under FSDP2 too;
-then 1,808 with a saved state's fields checked from one table.
+scale-after step's graph reaches, so that parameters not given are refused under FSDP2 too.
 ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
@@ -71,7 +70,7 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1808),
+    ("code lines", lambda s: s.code_lines, "<=", 1811),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
     ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 303),
     ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 352),
