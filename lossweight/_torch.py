@@ -158,7 +158,7 @@ def fsdp_shards() -> dict[int, torch.Tensor] | None:
         ]
         unsharded = [(getattr(p, "_unsharded_param", None), p.sharded_param) for p in params]
         return {id(tensor): shard for tensor, shard in unsharded if tensor is not None}
-    except (ImportError, AttributeError, TypeError):
+    except (ImportError, AttributeError, TypeError, RuntimeError):  # Runtime: changed meanwhile
         return None
 
 

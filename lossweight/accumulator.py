@@ -268,6 +268,7 @@ class Accumulator:
             reduction = self._flight.reduce_loss(collective, codes, collective.device)
             self.state = state
             reduction.wait()  # once recorded: a wait that fails is retried, never re-reduced
+            self._flight.settle()  # checked here, on every rank: the run may end with it
             self._flight.settle(verdicts=True)
         self.state = state
 
@@ -366,9 +367,10 @@ class _InFlight:
         if isinstance(tensors, ScaleAfter):
             self.settle()
             codes = self.codes(step.number, terms.SCALE_AFTER_END)
-            # It carries the loss that waits whether its check then passes or not.
-            reduction = tensors.finish(collective, codes, step.given, self.carried, self.add)
-            self.estimate = reduction  # its W, unless its check fails (on an accelerator, later)
+            # It carries the loss that waits, and gives the next E (the option's where its
+            # check fails, on every rank alike), whether its check then passes or not.
+            started = functools.partial(self.add, estimates=True)
+            reduction = tensors.finish(collective, codes, step.given, self.carried, started)
             return StepResult(step.number, reduction, reduction, [])
         next_step = self.options.loss_logging == "next_step"
         if refusal is not None and (collective.world_size == 1 or next_step):

@@ -27,7 +27,7 @@ _MESSAGES: dict[str, tuple[type[Exception], str]] = {
     "mesh_unnamed": (ValueError, "group={mesh!r} is a DeviceMesh of several dimensions without names; name them (init_device_mesh(..., mesh_dim_names=('dp', 'cp'))), so that its ranks can be flattened into one group"),
     "mesh_model_parallel": (ValueError, "group={mesh!r} has the mesh dimension {name!r}, whose ranks hold the same data (tensor or pipeline parallel): counting over it would count each item once per rank of it; pass the data-parallel dimensions only, such as group=mesh['dp', 'cp'], or for pipeline stages, name their dimension: group=mesh['pp', 'dp'], pipeline='pp'"),
     "mesh_partial": (ValueError, "group={mesh!r} holds part of a dimension of its root mesh {root!r} (as a mesh made with DeviceMesh._unflatten does), so lossweight cannot see which of the root's ranks hold the same data as which; make the mesh with init_device_mesh(..., mesh_dim_names=...) and pass group= a slice of it by name, such as group=mesh['dp']"),
-    "peers_differ": (DisagreementError, "lossweight: ranks that differ only along the mesh dimensions {dimensions} of the group's root mesh, which group= does not span, gave different counts in one reduction of a step. The ranks along a dimension outside group= must hold the same data, as tensor-parallel ranks do: the reduction spans them and counts each item once. If the ranks along {dimensions} hold different data (data or context parallel, a dimension of HSDP), count over it: group=mesh{suggested}; if they are tensor-parallel ranks, give each the counts of the whole batch, not of its own shard (of a vocabulary-parallel loss's labels, say); if they are pipeline stages, name their dimension in group= and pipeline= (group=mesh['pp', 'dp'], pipeline='pp')"),
+    "peers_differ": (DisagreementError, "lossweight: ranks that differ only along the mesh dimensions {dimensions} of the group's root mesh, which group= does not span, gave different counts or losses in one reduction of a step. The ranks along a dimension outside group= must hold the same data, as tensor-parallel ranks do: the reduction spans them and counts each item once. If the ranks along {dimensions} hold different data (data or context parallel, a dimension of HSDP), count over it: group=mesh{suggested}; if they are tensor-parallel ranks, give each the counts of the whole batch, not of its own shard (of a vocabulary-parallel loss's labels, say); if they are pipeline stages, name their dimension in group= and pipeline= (group=mesh['pp', 'dp'], pipeline='pp')"),
 }
 # fmt: on
 add_messages(_MESSAGES)
@@ -101,11 +101,12 @@ class MeshGroup:
         layout: Layout,
         microbatches: Mapping[str, Sequence[object] | torch.Tensor | None],
     ) -> torch.Tensor:
-        """``payload`` and, for each group of peers, the sum of its ranks' fingerprints, then
-        the sum of their squares: over ``T`` peers ``T * f`` and ``T * f**2`` if and only if
-        every one sent the same ``f``. The fingerprint is of the rank's totals and each
-        microbatch's counts, in order, since each microbatch's factor comes from its own
-        counts. Only the first peer's counts and losses are added up."""
+        """``payload`` and, for each group of peers, the sum of its ranks' fingerprints and of
+        their losses (each rank's loss slots in one number), then the sums of their squares:
+        over ``T`` peers ``T * f`` and ``T * f**2`` if and only if every one sent the same
+        ``f``. The fingerprint is of the rank's totals and each microbatch's counts, in order,
+        since each microbatch's factor comes from its own counts. Only the last peer's counts
+        and losses are added up."""
         # The numbers on the host go in one copy that does not wait for the device, then each
         # tensor back in its place: the same counts, as numbers or as tensors, in the same order.
         host, tensors = array("d", [len(microbatches)]), []
@@ -124,11 +125,15 @@ class MeshGroup:
             rows += [numbers[start:end], tensor.reshape(-1)]
             start = end
         rows.append(numbers[start:])
-        fingerprint = fingerprint_of(torch.cat(rows))
-        pair, blocks = torch.stack((fingerprint, fingerprint * fingerprint)), [payload]
+        fingerprint = fingerprint_of(torch.cat(rows)).to(payload.dtype)
+        # The losses too, which ranks of other data give even where their counts agree: every
+        # loss slot in one number, which the same losses give alike.
+        losses = torch.cat([payload[sums] for sums, _ in layout.losses])
+        loss = (losses * torch.arange(1.0, len(losses) + 1, device=losses.device)).sum()
+        values, blocks = torch.stack((fingerprint, loss)), [payload]
         for _, groups, index in self._groups:
-            block = payload.new_zeros(2, groups)
-            block[:, index] = pair
+            block = payload.new_zeros(4, groups)
+            block[:, index] = torch.cat((values, values * values))
             blocks.append(block.view(-1))
         if not self._last:
             payload[layout.counts.start :] = 0
@@ -136,12 +141,18 @@ class MeshGroup:
 
     def agreement(self, summed: torch.Tensor) -> torch.Tensor:
         """Along each dimension of ``peers``, whether every group of its ranks sent the same
-        fingerprint, from ``extend()``'s slots summed (bool, computed exactly in int64)."""
+        fingerprint (computed exactly in int64) and losses that differ by no more than
+        round-off (a relative spread of 1e-6; a non-finite loss is not compared), from
+        ``extend()``'s slots summed (bool)."""
         agree, start = [], 0
         for size, groups, _ in self._groups:
-            sums, squares = summed[start : start + 2 * groups].view(2, -1).to(torch.int64)
-            agree.append((size * squares == sums * sums).all())
-            start += 2 * groups
+            sums, losses, squares, loss_squares = summed[start : start + 4 * groups].view(4, -1)
+            exact = size * squares.to(torch.int64) == sums.to(torch.int64) ** 2
+            mean = losses / size
+            spread = loss_squares / size - mean * mean
+            close = ~(spread > (1e-6 * mean) ** 2)  # NaN: not compared
+            agree.append((exact & close).all())
+            start += 4 * groups
         return torch.stack(agree)
 
     def messages(self) -> list[str]:

@@ -265,9 +265,14 @@ TP_AGREE = {(0, 0): [3, 5], (0, 1): [3, 5], (1, 0): [0, 4], (1, 1): [0, 4]}
 
 
 def _one_step(
-    acc: lossweight.Accumulator, parameter: torch.nn.Parameter, counts: Any, mode: str
+    acc: lossweight.Accumulator,
+    parameter: torch.nn.Parameter,
+    counts: Any,
+    mode: str,
+    per_token: float = 2.0,
 ) -> lossweight.StepResult:
-    """A step whose microbatches' summed losses are 2 per token, of one parameter."""
+    """A step whose microbatches' summed losses are ``per_token`` per token, of one
+    parameter."""
     parameter.grad = None
     if mode == "count-first":
         acc.begin(num_tokens=counts)
@@ -275,7 +280,7 @@ def _one_step(
         acc.begin(parameters=[parameter])
     for i, count in enumerate(counts):
         given = {} if mode == "count-first" else {"num_tokens": count}
-        acc.scale_loss(parameter * 2 * count + i * 0, **given).backward()
+        acc.scale_loss(parameter * per_token * count + i * 0, **given).backward()
     return acc.end()
 
 
@@ -284,6 +289,8 @@ def _one_step(
 OUTSIDE = {
     "cp left out": (("dp", "cp"), ("dp",), lambda dp, cp: 3 + 2 * cp),  # each its own half
     "hsdp replicate alone": (("replicate", "shard"), ("replicate",), lambda r, s: 3 + s),
+    # The same counts on every rank, different data: told apart by their losses.
+    "hsdp replicate alone, same counts": (("replicate", "shard"), ("replicate",), lambda r, s: 4),
     "tp under another name, own shard": (("dp", "model"), ("dp",), lambda dp, m: 4 + m),
     "tp under another name, whole batch": (("dp", "model"), ("dp",), lambda dp, m: 4 + dp),
     "pp left out, zeros before the last": (("pp", "dp"), ("dp",), lambda pp, dp: 4 * pp),
@@ -306,7 +313,8 @@ def _dimensions_outside_the_group() -> dict[str, Any]:
         for mode in MODES:
             acc = lossweight.Accumulator(loss_reduction="sum", group=group)
             try:
-                result = _one_step(acc, parameter, [count(*place)], mode)
+                per_token = 2.0 + place[1] if case.endswith("same counts") else 2.0
+                result = _one_step(acc, parameter, [count(*place)], mode, per_token)
                 seen = {"tokens": result.num_tokens.item(), "loss": result.loss.item()}
                 gradient = parameter.grad.detach().clone()
                 dist.all_reduce(gradient, group=mesh[names[0]].get_group())

@@ -31,7 +31,9 @@ mode's own effects (closing, the open scale-after steps) in each mode's class; t
 with a scale-after end()'s reduction carrying a waiting loss whatever its check says, and
 flush() reducing on every rank after a count-first step abandoned under next_step; then 1,811
 (scale-after sitting 352) with FSDP2's sharded parameters found for the unsharded ones a
-scale-after step's graph reaches, so that parameters not given are refused under FSDP2 too.
+scale-after step's graph reaches, so that parameters not given are refused under FSDP2 too;
+then 1,812 (scale-after sitting 353) with flush() checking what it reduced and a refused
+scale-after end() setting the estimate on every device alike.
 ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
@@ -70,10 +72,10 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1811),
+    ("code lines", lambda s: s.code_lines, "<=", 1812),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
     ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 303),
-    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 352),
+    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 353),
     ("torch-free lines", lambda s: s.torch_free_lines, ">=", 350),
     ("longest class", lambda s: s.longest_class.lines, "<=", 250),
     ("longest function", lambda s: s.longest_function.lines, "<=", 40),

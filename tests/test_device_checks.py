@@ -297,11 +297,17 @@ def test_a_rank_that_ends_too_early_without_an_end_reduction_raises_alone() -> N
         assert rank[2] == [5 / 3, 3.0]  # (1 + 4) / 3 tokens on each rank; 9 / 3
 
 
+@pytest.mark.parametrize("path", ["host", "device"])
 @pytest.mark.parametrize("then", ["scale_after", "flush"])
-def test_after_a_rank_ends_too_early_alone_the_ranks_go_on_as_one(then: str) -> None:
+def test_after_a_rank_ends_too_early_alone_the_ranks_go_on_as_one(
+    then: str, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # loss_logging="next_step": rank 1 refuses step 1 alone, rank 0 ended it and holds its
     # loss. The next reduction every rank makes, a scale-after end() or flush(), is refused on
     # every rank (and carries that loss away), not left unpaired; then the steps are exact.
+    if path == "device":
+        monkeypatch.setattr(payload, "CHECKED_ON_HOST", ())  # the CPU as an accelerator
+
     def rank_steps(rank: int, collective: InProcessCollective) -> tuple[str, list[float]]:
         acc = Accumulator(loss_reduction="sum", collective=collective, loss_logging="next_step")
         x = torch.ones((), dtype=torch.float64, requires_grad=True)
@@ -315,10 +321,12 @@ def test_after_a_rank_ends_too_early_alone_the_ranks_go_on_as_one(then: str) -> 
         x.grad = None
         with pytest.raises(DisagreementError) as refused:
             if then == "flush":
-                acc.flush()
-            acc.begin(parameters=[x])
-            acc.scale_loss(x * 1.0, num_tokens=1).backward()
-            acc.end()
+                acc.flush()  # it checks what it reduced: the run may end here
+            else:
+                acc.begin(parameters=[x])
+                acc.scale_loss(x * 1.0, num_tokens=1).backward()
+                acc.end()  # on an accelerator: gradients NaN, and the next call raises
+                acc.begin(parameters=[x])
         acc.abandon()
         gradients = []
         for count in (1, 2):

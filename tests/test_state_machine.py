@@ -862,8 +862,9 @@ class AccumulatorMachine(RuleBasedStateMachine):
 
             errors = self.group.run(refused_end)
             self.calls += 1
-            # The failed reduction carried the loss that waited; end() raised, so flush() still
-            # reduces on every rank.
+            # The failed reduction carried the loss that waited, and its W is unknown: the next
+            # estimate is the option's; end() raised, so flush() still reduces on every rank.
+            self.estimate = self.default_estimate
             self.flush_waits |= self.pending is not None
             if self.pending is not None:
                 self.pending.status = "poisoned"

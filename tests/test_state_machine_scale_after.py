@@ -556,6 +556,8 @@ class ScaleAfterMachine(RuleBasedStateMachine):
                 for acc, state in zip(self.accs, states, strict=True):
                     assert acc.state == state and acc.step_open
                 self._unchanged(before)
+                # A refused reduction gives no W: the next estimate is the option's.
+                self.estimates["main"] = Fraction(self.options["weight_estimate"])
                 self._abandon(data)  # the gradients stay: zero_grad before the next begin()
                 return
             before = self._snapshot()
