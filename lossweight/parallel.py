@@ -147,10 +147,12 @@ class MeshGroup:
         agree, start = [], 0
         for size, groups, _ in self._groups:
             sums, losses, squares, loss_squares = summed[start : start + 4 * groups].view(4, -1)
-            exact = size * squares.to(torch.int64) == sums.to(torch.int64) ** 2
-            mean = losses / size
-            spread = loss_squares / size - mean * mean
-            close = ~(spread > (1e-6 * mean) ** 2)  # NaN: not compared
+            sums, squares = sums.to(torch.int64), squares.to(torch.int64)
+            mean = sums // size  # the same f from every one: sums T * f, squares T * f**2
+            exact = (sums == mean * size) & (squares == mean * mean * size)
+            average = losses / size
+            spread = loss_squares / size - average * average
+            close = ~(spread > (1e-6 * average) ** 2)  # NaN: not compared
             agree.append((exact & close).all())
             start += 4 * groups
         return torch.stack(agree)
@@ -177,7 +179,8 @@ def _data(names: Sequence[str]) -> list[str]:
 # of its place), modulo a prime above 2**16: counts that differ in one piece always differ in
 # it; others only where the weighted sum of their pieces' differences is a multiple of the
 # prime. Exact: a fingerprint's square is below 2**40, the sums of 2**13 of them below 2**53,
-# and the check compares T * sum(f**2) with sum(f)**2 in int64.
+# and the check compares them in int64 with T * m and T * m**2, m = sum(f) // T: equal only
+# if every f is m (a sum of squares is T * m**2 at least, and equal only then).
 _PRIME = 2**20 - 3
 
 
