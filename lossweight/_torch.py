@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from math import inf
 from typing import Any, TypeVar
 
@@ -121,20 +121,18 @@ def nonzero_gradients(groups: Groups) -> torch.Tensor:
     return torch.cat([none, *[flag.to(device, non_blocking=True) for flag in flags]]).any()
 
 
-def parameters_reached(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """The parameters (``nn.Parameter`` leaves) that a backward from ``tensor`` accumulates
-    gradients into: its autograd graph's ``AccumulateGrad`` nodes, walked on the host."""
-    found: list[torch.Tensor] = []
+def leaves(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The leaves that a backward from ``tensor`` accumulates gradients into: its autograd
+    graph's ``AccumulateGrad`` nodes, walked on the host as far as the caller reads."""
     seen, nodes = set(), [tensor.grad_fn]
     while nodes:
         node = nodes.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if isinstance(variable := getattr(node, "variable", None), torch.nn.Parameter):
-            found.append(variable)
+        if (variable := getattr(node, "variable", None)) is not None:
+            yield variable
         nodes.extend(following for following, _ in node.next_functions)
-    return found
 
 
 def fsdp_shards() -> dict[int, torch.Tensor] | None:
@@ -202,18 +200,10 @@ def reaches(loss: torch.Tensor, parameters: list[torch.Tensor]) -> bool:
     """Whether ``loss``'s backward reaches a gradient of ``parameters``, one of those tensors
     or a leaf whose gradient is the same memory: a walk of its graph."""
     wanted = {id(p) for p in parameters} | set(_once(parameters))
-    nodes, seen = [loss.grad_fn], set()
-    while nodes:
-        node = nodes.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if (leaf := getattr(node, "variable", None)) is not None and (
-            id(leaf) in wanted or (leaf.grad is not None and _memory(leaf.grad) in wanted)
-        ):
-            return True
-        nodes.extend(next_node for next_node, _ in node.next_functions)
-    return False
+    return any(
+        id(leaf) in wanted or (leaf.grad is not None and _memory(leaf.grad) in wanted)
+        for leaf in leaves(loss)
+    )
 
 
 def clip_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:

@@ -392,7 +392,9 @@ def _not_given(losses: Losses, parameters: list[torch.Tensor]) -> list[torch.Ten
     shards = _torch.fsdp_shards()
     if shards is None and any(hasattr(p, "to_local") for p in parameters):
         return []
-    reached = [p for loss in losses for p in _torch.parameters_reached(loss)]
+    reached = [
+        p for loss in losses for p in _torch.leaves(loss) if isinstance(p, torch.nn.Parameter)
+    ]
     holders = [(shards or {}).get(id(p), p) for p in reached]  # an unsharded one's: its shard
     strays = list({id(p): p for p in holders if id(p) not in given}.values())
     if not strays:
