@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from lossweight import Accumulator, StepResult
 
-from .workload import GPT
+from .workload import GPT, token_mean_loss
 
 
 def call_overhead(args: argparse.Namespace, calls: int = 20_000, repeats: int = 5) -> dict:
@@ -91,6 +91,31 @@ def call_overhead(args: argparse.Namespace, calls: int = 20_000, repeats: int = 
         "scale after": best(scale_after_step, number=500) - best(harness, number=500),
     }
     return {"per_call_us": per_call, "per_step_us": per_step}
+
+
+def walk_overhead(args: argparse.Namespace, repeats: int = 5) -> dict:
+    """A scale-after ``scale_loss()`` walks its loss's autograd graph for parameters not given
+    to ``begin()``: its time for a GPT's loss, less its time for a loss without a graph, beside
+    the GPT's forward and backward, at three depths (milliseconds per microbatch)."""
+    depths = (args.layers, 4 * args.layers, 16 * args.layers)
+    return {f"{layers} layers": _walk(args, layers, repeats) for layers in depths}
+
+
+def _walk(args: argparse.Namespace, layers: int, repeats: int) -> dict:
+    model = GPT(args.vocabulary, args.context, args.width, layers)
+    tokens = torch.randint(0, args.vocabulary, (args.rows, args.context))
+    acc = Accumulator(loss_reduction="sum")
+    acc.begin(parameters=model)
+    loss, leaf = token_mean_loss(model, tokens, tokens), torch.tensor(2.5, requires_grad=True)
+
+    def best(statement: Callable[[], object], number: int) -> float:
+        return 1e3 * min(timeit.repeat(statement, number=number, repeat=repeats)) / number
+
+    walk = best(lambda: acc.scale_loss(loss, num_tokens=7), 20)
+    walk -= best(lambda: acc.scale_loss(leaf, num_tokens=7), 20)
+    acc.abandon()
+    step = best(lambda: token_mean_loss(model, tokens, tokens).backward(), 1)
+    return {"walk_ms": walk, "forward_backward_ms": step}
 
 
 def group_overhead(world_size: int, steps: int = 2000, repeats: int = 5) -> dict:

@@ -66,7 +66,7 @@ import torch
 import lossweight
 
 from .layouts import layout_collectives
-from .overhead import call_overhead, group_overhead
+from .overhead import call_overhead, group_overhead, walk_overhead
 from .report import markdown, targets
 from .runner import run_ranks
 
@@ -96,6 +96,7 @@ def main() -> None:
 
     overhead = call_overhead(args)
     overhead["group_per_step_us"] = group_overhead(2)
+    overhead["walk"] = walk_overhead(args)
     results = {} if args.micro else {n: run_ranks(n, args) for n in args.ranks}
     layouts = {} if args.micro else layout_collectives()
     device = (

@@ -242,7 +242,8 @@ class ScaleAfter:
         self._losses: list[tuple[torch.Tensor, ...]] = []  # per microbatch, one per term
         self.reduction: Reduction | None = None
         self.total: torch.Tensor | None = None  # W, once end() has reduced and rescaled
-        self._strays: list[torch.Tensor] = []  # parameters the first loss reaches, not given
+        self._given = frozenset(map(id, parameters))
+        self._strays: dict[int, torch.Tensor] = {}  # parameters a loss reaches, not given
         with _OPEN_LOCK:
             _OPEN.add(self)
 
@@ -258,8 +259,7 @@ class ScaleAfter:
         """The terms' losses times their provisional factors ``w * D / E`` (``D / E``), summed
         (the machine takes the microbatch, and requires its weight)."""
         assert counts is not None
-        if not self._losses:
-            self._strays = _not_given(losses, self.parameters)
+        self._strays.update(_not_given(losses, self.parameters, self._given))
         for name, count in counts.items():
             if count is not None:
                 self._counts[name].append(count)
@@ -332,7 +332,7 @@ class ScaleAfter:
         given unsharded)."""
         if self._losses:
             refusal = None
-            strays = _torch.unscaled(self._strays, self.parameters)
+            strays = _torch.unscaled(list(self._strays.values()), self.parameters)
             if strays and (unsharded := _torch.unsharded_given(strays, self.parameters)):
                 count, shapes = len(unsharded), _shapes(unsharded)
                 refusal = error("fsdp_unsharded", step=step, count=count, shapes=shapes)
@@ -372,34 +372,24 @@ Losses = tuple[torch.Tensor, ...]
 Rows = tuple[torch.Tensor, ...]
 
 
-# The parameter lists whose first step's losses reached no other parameter, by the id of
-# their first parameter (and a weak reference to it): a step's graph is walked until its list
-# has passed once.
-_PASSED: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int]]] = {}
-
-
-def _not_given(losses: Losses, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The parameters whose gradients ``losses`` reach and ``parameters`` lacks, which end()
-    would leave unscaled. FSDP2's graph reaches the unsharded parameters that it swaps into its
-    modules, and reduces their gradients into the sharded ones: those are looked for. Where
-    FSDP2 is imported but its parameters are not found (a torch that keeps them elsewhere), a
-    list of DTensors is not checked."""
-    given = frozenset(map(id, parameters))
-    first = parameters[0] if parameters else None
-    passed = _PASSED.get(id(first))
-    if first is None or (passed and passed[0]() is first and passed[1] == given):
-        return []
+def _not_given(
+    losses: Losses, parameters: list[torch.Tensor], given: frozenset[int]
+) -> dict[int, torch.Tensor]:
+    """The parameters whose gradients ``losses`` reach and ``parameters`` (``given``: their
+    ids) lacks, which end() would leave unscaled, by id. Every loss is walked: a later
+    microbatch may take a branch, or route to an expert, that the first did not. FSDP2's graph
+    reaches the unsharded parameters that it swaps into its modules, and reduces their
+    gradients into the sharded ones: those are looked for. Where FSDP2 is imported but its
+    parameters are not found (a torch that keeps them elsewhere), a list of DTensors is not
+    checked."""
     shards = _torch.fsdp_shards()
     if shards is None and any(hasattr(p, "to_local") for p in parameters):
-        return []
+        return {}
     reached = [
         p for loss in losses for p in _torch.leaves(loss) if isinstance(p, torch.nn.Parameter)
     ]
     holders = [(shards or {}).get(id(p), p) for p in reached]  # an unsharded one's: its shard
-    strays = list({id(p): p for p in holders if id(p) not in given}.values())
-    if not strays:
-        _PASSED[id(first)] = (weakref.ref(first), given)
-    return strays
+    return {id(p): p for p in holders if id(p) not in given}
 
 
 def _shapes(tensors: list[torch.Tensor]) -> str:

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import layouts as layouts_run
+from benchmarks.overhead import walk_overhead
+from benchmarks.report import markdown
 from benchmarks.runner import measure
 from lossweight.terms import Layout, Term
 
@@ -103,3 +105,14 @@ def test_no_parallel_layout_adds_a_collective_or_a_host_sync() -> None:
         tensor_parallel = layouts["dp 2 x tp 2"][mode]
         check = reductions * 2 * 32 if TENSOR_PARALLEL_CHECKED else 0  # none on torch 2.6
         assert tensor_parallel == {**figures, "bytes": figures["bytes"] + check}
+
+
+def test_the_graph_walk_is_reported_beside_a_forward_and_backward_at_three_depths() -> None:
+    settings = argparse.Namespace(vocabulary=32, context=16, width=16, layers=1, rows=2)
+    walks = walk_overhead(settings, repeats=1)
+    assert list(walks) == ["1 layers", "4 layers", "16 layers"]
+    assert all(t["forward_backward_ms"] > 0 for t in walks.values())
+    overhead = {"per_call_us": {}, "per_step_us": {}, "group_per_step_us": {}, "walk": walks}
+    table = markdown({}, overhead, {})
+    assert "| scale after: the graph walk per microbatch (1 process) |" in table
+    assert table.count("| GPT, ") == 3

@@ -507,6 +507,29 @@ def test_a_loss_reaching_parameters_not_given_to_begin_is_refused_at_end() -> No
     assert _step_over(model, model) == "ended"
 
 
+def test_a_parameter_first_reached_by_a_later_microbatch_or_step_is_refused() -> None:
+    # A branch taken later: the first microbatch, and the whole first step, reach only the
+    # parameters given; the second microbatch of step 2 reaches one more.
+    torch.manual_seed(0)
+    trunk, branch = torch.nn.Linear(3, 1).double(), torch.nn.Linear(3, 1).double()
+    acc = Accumulator(loss_reduction="sum")
+    x = torch.ones(2, 3, dtype=torch.float64)
+    for step, reach_branch in ((1, False), (2, True)):
+        acc.begin(parameters=trunk)
+        acc.scale_loss(trunk(x).sum(), num_tokens=2).backward()
+        loss = (trunk(x) + branch(x)).sum() if reach_branch else trunk(x).sum()
+        acc.scale_loss(loss, num_tokens=2).backward()
+        if not reach_branch:
+            acc.end()
+            trunk.zero_grad()
+            continue
+        with pytest.raises(
+            ValueError, match=f"step {step} that went through scale_loss.. reach 2 "
+        ):
+            acc.end()
+        acc.abandon()
+
+
 def test_parameters_not_given_are_refused_on_every_rank() -> None:
     # Rank 0 gives one param group, rank 1 both: both raise, from the step's one reduction.
     model, _ = _two_groups()
