@@ -65,6 +65,14 @@ def graph_break(message: str) -> None:
         comptime(fail)
 
 
+def gradient_version(parameter: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """A parameter's gradient, and the version of what this rank holds of it (FSDP2 adds to a
+    DTensor gradient's local shard in place, which leaves the DTensor's own version as it was):
+    a gradient that differs in either since was written meanwhile."""
+    grad = parameter.grad
+    return grad, -1 if grad is None else _local(grad)._version
+
+
 def _local(grad: torch.Tensor) -> torch.Tensor:
     """What this rank holds of a gradient: a DTensor's (FSDP2's) local shard."""
     return grad.to_local() if hasattr(grad, "to_local") else grad

@@ -243,7 +243,9 @@ class ScaleAfter:
         self.reduction: Reduction | None = None
         self.total: torch.Tensor | None = None  # W, once end() has reduced and rescaled
         self._given = frozenset(map(id, parameters))
-        self._strays: dict[int, torch.Tensor] = {}  # parameters a loss reaches, not given
+        # Parameters a loss reaches, not given, by id: each with its gradient, and that
+        # gradient's version, when the first loss that reached it was scaled.
+        self._strays: dict[int, tuple[torch.Tensor, torch.Tensor | None, int]] = {}
         with _OPEN_LOCK:
             _OPEN.add(self)
 
@@ -259,7 +261,9 @@ class ScaleAfter:
         """The terms' losses times their provisional factors ``w * D / E`` (``D / E``), summed
         (the machine takes the microbatch, and requires its weight)."""
         assert counts is not None
-        self._strays.update(_not_given(losses, self.parameters, self._given))
+        for number, stray in _not_given(losses, self.parameters, self._given).items():
+            # Its gradient as it was before any backward of a loss that reaches it.
+            self._strays.setdefault(number, (stray, *_torch.gradient_version(stray)))
         for name, count in counts.items():
             if count is not None:
                 self._counts[name].append(count)
@@ -332,7 +336,7 @@ class ScaleAfter:
         given unsharded)."""
         if self._losses:
             refusal = None
-            strays = _torch.unscaled(list(self._strays.values()), self.parameters)
+            strays = _torch.unscaled(_written(self._strays.values()), self.parameters)
             if strays and (unsharded := _torch.unsharded_given(strays, self.parameters)):
                 count, shapes = len(unsharded), _shapes(unsharded)
                 refusal = error("fsdp_unsharded", step=step, count=count, shapes=shapes)
@@ -390,6 +394,20 @@ def _not_given(
     ]
     holders = [(shards or {}).get(id(p), p) for p in reached]  # an unsharded one's: its shard
     return {id(p): p for p in holders if id(p) not in given}
+
+
+def _written(
+    strays: Iterable[tuple[torch.Tensor, torch.Tensor | None, int]],
+) -> list[torch.Tensor]:
+    """The strays whose gradient the step wrote: one made, replaced or changed in place since
+    a loss that reached them was scaled. A gradient left from before the step, which a
+    backward that skips them (``backward(inputs=...)``) does not touch, is not the step's."""
+    written = []
+    for stray, grad, version in strays:
+        now, now_version = _torch.gradient_version(stray)
+        if now is not grad or now_version != version:
+            written.append(stray)
+    return written
 
 
 def _shapes(tensors: list[torch.Tensor]) -> str:

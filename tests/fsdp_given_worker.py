@@ -118,6 +118,9 @@ CASES: dict[str, dict[str, Any]] = {
     "one_group": {},
     "one_group_on_rank_0": {},
     "some_parameters": {},
+    # One param group, the gradients zeroed as zeros: the left-out group's exist when its
+    # losses are scaled, and FSDP2 adds to their local shards in place.
+    "zeroed_one_group": {},
     # The model given while unsharded: its root (model.unshard() is not recursive), every
     # FSDP2 module, the root in the second step only; and the optimizer then, which is exact.
     "root_unsharded": {},
@@ -146,7 +149,7 @@ def case_outcome(rank: int, world_size: int, case: str) -> list[str]:
     acc = Accumulator(weight_by="samples", loss_reduction="sum")
     outcomes = []
     for step in range(2):
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=not case.startswith("zeroed"))
         given = _given(case, rank, step, model, optimizer)
         outcome = _step(model, optimizer, acc, rank, step, given)
         if outcome == "ended":

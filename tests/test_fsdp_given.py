@@ -70,6 +70,7 @@ def test_a_model_computed_in_float32_is_exact_to_float32(ranks: list[dict]) -> N
     ("case", "count", "shapes"),
     [
         ("one_group", 2, r"\(2, 4\), \(2,\)"),  # the root's group, left out
+        ("zeroed_one_group", 2, r"\(2, 4\), \(2,\)"),  # its gradients zeros, not None
         ("mixed_precision_one_group", 2, r"\(2, 4\), \(2,\)"),
         ("some_parameters", 2, r"\((2, 4|4,)\), \((2, 4|4,)\)"),
     ],

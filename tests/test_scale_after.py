@@ -530,6 +530,33 @@ def test_a_parameter_first_reached_by_a_later_microbatch_or_step_is_refused() ->
         acc.abandon()
 
 
+def test_a_gradient_left_from_before_the_step_is_not_taken_for_the_steps() -> None:
+    # A generator's step after its discriminator's, whose gradients stay until zeroed: a
+    # backward restricted to the generator leaves them untouched (exact); one that reaches them
+    # adds to them in place (refused, though each had a gradient when the loss was scaled).
+    torch.manual_seed(0)
+    generator, critic = torch.nn.Linear(3, 4).double(), torch.nn.Linear(4, 1).double()
+    z = [torch.randn(rows, 3, dtype=torch.float64) for rows in (2, 3)]
+    for restricted in (True, False):
+        generator.zero_grad(set_to_none=True)
+        critic(torch.ones(1, 4, dtype=torch.float64)).sum().backward()  # the critic's step
+        acc = Accumulator(weight_by="samples", loss_reduction="sum")
+        acc.begin(parameters=generator)
+        for x in z:
+            loss = acc.scale_loss(-critic(generator(x)).sum(), num_samples=len(x))
+            loss.backward(inputs=list(generator.parameters()) if restricted else None)
+        if not restricted:
+            with pytest.raises(ValueError, match="reach 2 parameters that begin"):
+                acc.end()
+            acc.abandon()
+            continue
+        acc.end()
+        got = generator.weight.grad.clone()
+        generator.zero_grad()
+        (sum(-critic(generator(x)).sum() for x in z) / 5).backward(inputs=[generator.weight])
+        torch.testing.assert_close(got, generator.weight.grad, rtol=1e-12, atol=0)
+
+
 def test_parameters_not_given_are_refused_on_every_rank() -> None:
     # Rank 0 gives one param group, rank 1 both: both raise, from the step's one reduction.
     model, _ = _two_groups()
