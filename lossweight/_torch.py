@@ -4,6 +4,8 @@ torch changes one of these, this is the file to change (the parallel layouts' ow
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
 import weakref
 from collections import defaultdict
@@ -131,7 +133,8 @@ def nonzero_gradients(groups: Groups) -> torch.Tensor:
 
 def leaves(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
     """The leaves that a backward from ``tensor`` accumulates gradients into: its autograd
-    graph's ``AccumulateGrad`` nodes, walked on the host as far as the caller reads."""
+    graph's ``AccumulateGrad`` nodes, walked on the host as far as the caller reads, and the
+    parameters that a reentrant checkpoint's backward recomputes (:func:`_recomputed`)."""
     seen, nodes = set(), [tensor.grad_fn]
     while nodes:
         node = nodes.pop()
@@ -140,7 +143,26 @@ def leaves(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
         seen.add(node)
         if (variable := getattr(node, "variable", None)) is not None:
             yield variable
+        elif (run := getattr(node, "run_function", None)) is not None:
+            yield from _recomputed(run)
         nodes.extend(following for following, _ in node.next_functions)
+
+
+def _recomputed(run: object) -> Iterator[torch.Tensor]:
+    """The parameters of the modules that ``torch.utils.checkpoint(run, use_reentrant=True)``
+    runs again in its backward, whose graph exists only then: ``run`` itself, or the modules
+    bound to it (a bound method's, a partial's arguments, a closure's cells). A function that
+    reaches its modules otherwise (as globals) shows none."""
+    held = [run]
+    while isinstance(run, functools.partial):
+        held, run = [*held, *run.args, run.func], run.func
+    held.append(getattr(run, "__self__", None))
+    for cell in getattr(run, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # a variable not yet assigned
+            held.append(cell.cell_contents)
+    for module in held:
+        if isinstance(module, torch.nn.Module):
+            yield from module.parameters()
 
 
 def fsdp_shards() -> dict[int, torch.Tensor] | None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from lossweight import Accumulator, token_cross_entropy
 from lossweight.testing import InProcessCollective, InProcessGroup
@@ -528,6 +530,45 @@ def test_a_parameter_first_reached_by_a_later_microbatch_or_step_is_refused() ->
         ):
             acc.end()
         acc.abandon()
+
+
+@pytest.mark.parametrize("run", ["module", "partial", "closure"])
+def test_a_parameter_inside_a_reentrant_checkpoint_is_looked_for(run: str) -> None:
+    # A reentrant checkpoint's graph exists only in its backward: the walk finds the modules
+    # it recomputes, run as a module, as Hugging Face's layers run them (a partial of the
+    # class's forward and the layer), or through a closure. Before: no refusal, and the head's
+    # gradient 8 times too large (W / E).
+    torch.manual_seed(0)
+    body, head = torch.nn.Linear(4, 2).double(), torch.nn.Linear(2, 1).double()
+    layer = torch.nn.Sequential(body, head)
+    function = {
+        "module": layer,
+        "partial": functools.partial(torch.nn.Sequential.forward, layer),
+        "closure": lambda z: head(body(z)),
+    }[run]
+    data = [torch.randn(rows, 4, dtype=torch.float64) for rows in (3, 1, 4)]
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        inputs = x.requires_grad_()
+        return checkpoint(function, inputs, use_reentrant=True).pow(2).sum()
+
+    for given in (body, layer):
+        layer.zero_grad(set_to_none=True)
+        acc = Accumulator(loss_reduction="sum")
+        acc.begin(parameters=given)
+        for x in data:
+            acc.scale_loss(loss_of(x), num_tokens=len(x)).backward()
+        if given is body:
+            with pytest.raises(ValueError, match="reach 2 parameters that begin"):
+                acc.end()
+            acc.abandon()
+            continue
+        acc.end()
+        got = [p.grad.clone() for p in layer.parameters()]
+        layer.zero_grad()
+        (sum(loss_of(x) for x in data) / 8).backward()
+        for mine, want in zip(got, [p.grad for p in layer.parameters()], strict=True):
+            torch.testing.assert_close(mine, want, rtol=1e-12, atol=0)
 
 
 def test_a_gradient_left_from_before_the_step_is_not_taken_for_the_steps() -> None:
