@@ -627,6 +627,8 @@ def _parameter_list(parameters: object) -> list[torch.Tensor]:
         tensor = item[1] if isinstance(item, tuple) and len(item) == 2 else item
         if not isinstance(tensor, torch.Tensor):
             raise error("parameter_type", index=index, value=item)
+        if torch.nn.parameter.is_lazy(tensor):
+            raise error("parameter_uninitialized", index=index)
         found.setdefault(id(tensor), tensor)
     if not found:
         raise error("no_parameters")

@@ -38,7 +38,8 @@ the autograd graph for both of its uses; then 1,797 (scale-after sitting 366) wi
 scale-after loss walked, not only a list's first, so that a parameter a later microbatch or
 step reaches is refused too (the walk's lines now run in every step); then 1,810 (scale-after
 sitting 369) with a stray parameter's gradient refused only where the step wrote it; then
-1,825 (scale-after sitting 370) with the parameters a reentrant checkpoint recomputes found.
+1,825 (scale-after sitting 370) with the parameters a reentrant checkpoint recomputes found;
+then 1,828 (sitting 371) with a lazy module's parameters refused by begin() by name.
 ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
@@ -77,10 +78,10 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1825),
+    ("code lines", lambda s: s.code_lines, "<=", 1828),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
     ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 303),
-    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 370),
+    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 371),
     ("torch-free lines", lambda s: s.torch_free_lines, ">=", 350),
     ("longest class", lambda s: s.longest_class.lines, "<=", 250),
     ("longest function", lambda s: s.longest_function.lines, "<=", 40),
