@@ -13,6 +13,7 @@ device: the caller says so (``traced``), since a graph must not read a per-step 
 
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Mapping
 from typing import NamedTuple, TypeVar
@@ -101,10 +102,10 @@ def begin(
         raise error("lengths_differ", lengths={ARGUMENTS[n]: size for n, size in given.items()})
     if number is None:
         number = state.steps + 1
-    elif isinstance(number, bool) or not isinstance(number, int) or number < 0:
+    elif isinstance(number, bool) or not isinstance(number, numbers.Integral) or number < 0:
         raise error("bad_step", value=number)
     mode, declared = COUNT_FIRST if given else SCALE_AFTER, next(iter(given.values()), 0)
-    step = Step(number, mode, declared, loss=loss)
+    step = Step(int(number), mode, declared, loss=loss)  # a numpy integer: as a plain int
     # A count-first begin() carries a waiting loss; a scale-after step's end() does.
     return state._replace(steps=step.number, step=step, pending=state.pending and not given)
 

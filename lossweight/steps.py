@@ -89,11 +89,12 @@ class CountFirst:
         return self._factors
 
     def factor(self, index: int) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Microbatch ``index``'s factor; by term name where there are several."""
+        """Microbatch ``index``'s factor; by term name where there are several. A copy: one
+        that the caller changes in place leaves the factors scale_loss() applies as they are."""
         factors = self.factors()
         if len(factors) == 1:
-            return factors[0][index]
-        return {term.name: f[index] for term, f in zip(self._terms, factors, strict=True)}
+            return factors[0][index].clone()
+        return {term.name: f[index].clone() for term, f in zip(self._terms, factors, strict=True)}
 
     def scale(
         self, losses: Losses, index: int | None, step: int, given: Counted | None = None

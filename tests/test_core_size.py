@@ -39,7 +39,8 @@ scale-after loss walked, not only a list's first, so that a parameter a later mi
 step reaches is refused too (the walk's lines now run in every step); then 1,810 (scale-after
 sitting 369) with a stray parameter's gradient refused only where the step wrote it; then
 1,825 (scale-after sitting 370) with the parameters a reentrant checkpoint recomputes found;
-then 1,828 (sitting 371) with a lazy module's parameters refused by begin() by name.
+then 1,828 (sitting 371) with a lazy module's parameters refused by begin() by name, and 1,829
+with a numpy step number taken as an int.
 ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
@@ -78,7 +79,7 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1828),
+    ("code lines", lambda s: s.code_lines, "<=", 1829),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
     ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 303),
     ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 371),

@@ -147,6 +147,34 @@ def test_numpy_integers_count_and_numpy_arrays_are_refused_by_name() -> None:
         acc.begin(num_tokens=np.array([3, 1]))
 
 
+def test_a_numpy_integer_step_number_is_taken_as_an_int() -> None:
+    acc = Accumulator(loss_reduction="sum")
+    acc.begin(num_tokens=[1], step=np.int64(3))
+    acc.scale_loss(torch.ones((), dtype=F64, requires_grad=True)).backward()
+    result = acc.end()
+    assert result.step == 3 and type(result.step) is int
+    assert type(acc.state_dict()["steps"]) is int
+
+
+@pytest.mark.parametrize("terms", [None, [Term("lm", "sum"), Term("aux", "mean", "samples")]])
+def test_a_factor_changed_in_place_by_its_reader_leaves_the_gradient_alone(
+    terms: list[Term] | None,
+) -> None:
+    # Before: backward_scale() returned a view of the factors scale_loss() applies, and a
+    # factor read (say, to log it) then changed in place gave 7.75 for a gradient of 1.
+    acc = Accumulator(loss_reduction="sum") if terms is None else Accumulator(terms=terms)
+    x = torch.zeros((), dtype=F64, requires_grad=True)
+    acc.begin(num_tokens=[1, 3], **({} if terms is None else {"num_samples": [1, 1]}))
+    for factor in [acc.backward_scale(i) for i in (0, 1)]:
+        for value in factor.values() if isinstance(factor, dict) else [factor]:
+            value.mul_(10)
+    for tokens in (1, 3):
+        loss = tokens * (x + 2.0)
+        acc.scale_loss(loss if terms is None else {"lm": loss, "aux": x + 1.0}).backward()
+    acc.end()
+    assert x.grad.item() == (1.0 if terms is None else 2.0)
+
+
 def _weights_checked(declared: object, given: object) -> str:
     """What scale_loss() of a count-first step says of ``given`` for the weight sum that
     begin() declared as ``declared``: "agree", or its error."""

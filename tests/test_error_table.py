@@ -166,6 +166,10 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
         "needs a transformers whose Trainer has the",
     ),
     "hf_outside_step": ("test_integrations.py", "training_step() ran outside a step"),
+    "hf_not_scaled": (
+        "test_integration_misuse.py",
+        "call super().compute_loss(model, inputs, ...)",
+    ),
     "hf_batch_type": ("test_integrations.py", "counts the rows and labels of dict batches"),
     "hf_shift_unknown": ("test_integration_misuse.py", "cannot tell whether the loss of "),
     "hf_batch_uncounted": ("test_integrations.py", "and a batch of this step has none"),

@@ -10,6 +10,7 @@ padding and a microbatch without any target, both ranks' microbatches of a step 
 
 from __future__ import annotations
 
+import copy
 import socket
 from typing import Any
 
@@ -214,3 +215,97 @@ def test_accelerate_under_deepspeed_refuses_to_scale_after() -> None:
         "under DeepSpeed, accelerator.backward() steps the optimizer at the step's last "
         "microbatch, before end() could rescale the gradients; count first"
     )
+
+
+# ------------------------------------------------------------------------------------------
+# Hugging Face Trainer: a compute_loss override, and label smoothing
+# ------------------------------------------------------------------------------------------
+
+ROWS = [torch.arange(1, n + 1) for n in (9, 7, 1, 1, 12, 3)]  # microbatch 2: one label a row
+
+
+def _collate(batch: list[torch.Tensor]) -> dict:
+    ids = torch.zeros(len(batch), max(len(row) for row in batch), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for index, row in enumerate(batch):
+        ids[index, : len(row)], mask[index, : len(row)] = row, 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _llama(subclass: bool) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class RenamedLlama(LlamaForCausalLM):  # a class name transformers does not list
+        pass
+
+    config = LlamaConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return (RenamedLlama if subclass else LlamaForCausalLM)(config).double()
+
+
+def _one_step(tmp: str, model: torch.nn.Module, trainer_class: type, smoothing: float) -> Any:
+    """The lm_head gradient of one optimizer step of 3 microbatches of 2 rows."""
+    from transformers import TrainerCallback, TrainingArguments
+
+    grads = []
+
+    class Grab(TrainerCallback):  # type: ignore[misc]
+        def on_pre_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+            grads.append(model.lm_head.weight.grad.clone())
+
+    args = TrainingArguments(
+        output_dir=tmp, per_device_train_batch_size=2, gradient_accumulation_steps=3,
+        max_steps=1, learning_rate=0.0, max_grad_norm=0.0, label_smoothing_factor=smoothing,
+        use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    trainer = trainer_class(
+        model=model, args=args, train_dataset=ROWS, data_collator=_collate, callbacks=[Grab()]
+    )
+    trainer.train()
+    return grads[0]
+
+
+def test_hf_a_compute_loss_override_that_skips_scale_loss_is_refused(tmp_path: Any) -> None:
+    # Before: no error; the gradient the sum of the microbatches' means, 2.1 times the exact.
+    pytest.importorskip("transformers")
+    from lossweight.integrations.hf import LossweightTrainer
+
+    class OwnLoss(LossweightTrainer):  # type: ignore[misc]
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **_: Any):  # type: ignore[no-untyped-def]
+            outputs = model(**inputs)
+            return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+    with pytest.raises(RuntimeError) as raised:
+        _one_step(str(tmp_path), _llama(subclass=False), OwnLoss, 0.0)
+    assert "OwnLoss.training_step() back-propagated a loss of step 1 that did not go" in str(
+        raised.value
+    )
+    assert "call super().compute_loss(model, inputs, ...)" in str(raised.value)
+
+
+@pytest.mark.parametrize("subclass", [False, True])
+def test_hf_label_smoothing_counts_the_labels_its_smoother_covers(
+    tmp_path: Any, subclass: bool
+) -> None:
+    # Trainer's label smoother shifts the labels of a listed causal LM alone: a subclass named
+    # otherwise gets unshifted ones. Before: counted shifted anyway, 0.65% off.
+    pytest.importorskip("transformers")
+    from lossweight.integrations.hf import LossweightTrainer
+
+    smoothing, model = 0.1, _llama(subclass)
+    reference = copy.deepcopy(model)
+    batch = _collate(ROWS)
+    logits = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"]
+    if not subclass:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    logits, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    log_p = torch.log_softmax(logits[labels != -100], -1)
+    nll = -log_p.gather(1, labels[labels != -100, None]).squeeze(1)
+    ((1 - smoothing) * nll + smoothing * -log_p.mean(-1)).mean().backward()
+    got = _one_step(str(tmp_path), model, LossweightTrainer, smoothing)
+    error = (got - reference.lm_head.weight.grad).abs().max() / got.abs().max()
+    assert error < 1e-6, error  # the model's norms compute in float32

@@ -24,11 +24,15 @@ on where the model's loss shifts the labels (a causal LM's ``ForCausalLMLoss``, 
 encoder-decoder), or the batch's ``shift_labels`` when the collator provides them. Whether it
 shifts is read from the model's own ``loss_function``, called once on two positions when the
 trainer is made (of the model, or of the one transformers model that a wrapper holds), not
-from its class name: a subclass or wrapper of a causal LM is counted shifted. Token labels
+from its class name: a subclass or wrapper of a causal LM is counted shifted (except under
+label smoothing, where ``Trainer``'s label smoother computes the loss and shifts the labels by
+the class name alone, and they are counted by that rule). Token labels
 of a model without one to read (or holding several) are refused unless the batches carry
 ``shift_labels``. The model's loss must be the mean over exactly those targets, as Hugging Face's
 losses are. A ``compute_loss_func`` is called with ``num_items_in_batch=None`` and must return
-the microbatch's mean likewise.
+the microbatch's mean likewise. A subclass that overrides ``compute_loss`` must call this
+class's, which scales the loss: a loss that did not go through ``scale_loss()`` is refused
+after its backward, before any optimizer step.
 
 Logging: each ``"loss"`` that ``Trainer`` logs is replaced by the mean of the steps'
 :attr:`lossweight.StepResult.loss` since the last log (the same on every rank), and
@@ -60,6 +64,7 @@ from typing import Any, Literal
 import torch
 from transformers import Trainer
 from transformers.modeling_utils import PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils.import_utils import is_sagemaker_mp_enabled
 
@@ -73,6 +78,7 @@ from ..result import StepResult
 _MESSAGES: dict[str, tuple[type[Exception], str]] = {
     "hf_transformers_too_old": (ImportError, "lossweight.integrations.hf needs a transformers whose Trainer has the loss_is_scaled_for_ga attribute (5.24 and later); upgrade transformers"),
     "hf_outside_step": (RuntimeError, "{trainer}.training_step() ran outside a step: its steps begin before the first loss of each optimizer step, from Trainer.train()"),
+    "hf_not_scaled": (RuntimeError, "{trainer}.training_step() back-propagated a loss of step {step} that did not go through the Accumulator's scale_loss(), so its gradient is not weighted against the step (a compute_loss() override that does not call the LossweightTrainer's); call super().compute_loss(model, inputs, ...) in the override, or return self.accumulator.scale_loss(loss) of the microbatch's mean loss"),
     "hf_batch_type": (TypeError, "LossweightTrainer counts the rows and labels of dict batches, but the data collator returned a {kind}; return a dict with 'labels' (and 'input_ids')"),
     "hf_shift_unknown": (ValueError, "LossweightTrainer(weight_by='tokens') counts the labels each position's loss compares with, and cannot tell whether the loss of {model} shifts them: it is not a transformers model with a loss_function, nor holds exactly one; let the data collator return 'shift_labels' (each position's target, -100 where none), which are counted as given, or give the model a transformers loss_function"),
     "hf_batch_uncounted": (ValueError, "LossweightTrainer(weight_by={weight_by!r}) counts each batch from {needed}, and a batch of this step has none; let the data collator return it"),
@@ -129,14 +135,17 @@ class _WeightedSteps(Trainer):
         """The trainer's ``training_step`` with the loss scaled; ends the step after its last
         microbatch. Returns this microbatch's share of the step's loss on this rank, so that
         ``Trainer``'s own running loss (``train_loss``) is the weighted mean too."""
+        before = self.accumulator.state.step  # the step machine's state: read, never copied
         self._in_training_step = True
         try:
             scaled = super().training_step(model, inputs, None)
         finally:
             self._in_training_step = False
-        step = self.accumulator.state.step  # the step machine's state: read, never copied
+        step = self.accumulator.state.step
         if step is None:
             raise error("hf_outside_step", trainer=type(self).__name__)
+        if before is not None and step.scaled == before.scaled:  # its gradient is unweighted
+            raise error("hf_not_scaled", trainer=type(self).__name__, step=step.number)
         if step.scaled == step.declared:
             self.last_result = self.accumulator.end()
             self._tally.add(self.last_result)
@@ -164,7 +173,12 @@ class LossweightTrainer(_WeightedSteps):
     def __init__(self, *args: Any, weight_by: WeightBy = "tokens", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.attach(loss_reduction="mean", weight_by=weight_by)
-        self._shifts_labels = _loss_shifts_labels(self)
+        # Where Trainer's label smoother computes the loss from the labels, its own rule says
+        # whether they shift; elsewhere, the model's loss function.
+        self._smoothed = self.label_smoother is not None and self.compute_loss_func is None
+        self._shifts_labels = (
+            _smoother_shifts(self) if self._smoothed else _loss_shifts_labels(self)
+        )
 
     def get_batch_samples(
         self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
@@ -215,7 +229,7 @@ class LossweightTrainer(_WeightedSteps):
                 # Trainer's own rule for num_items_in_batch: the collator's shifted labels, or
                 # the labels from position 1 on when the model's loss shifts them.
                 shifted = batch.get("shift_labels")
-                if isinstance(shifted, torch.Tensor):
+                if isinstance(shifted, torch.Tensor) and not self._smoothed:
                     tokens.append(count_tokens(shifted, ignore_index=IGNORE_INDEX))
                 elif labels.dim() < 2 or self._shifts_labels is not None:  # a row's one label
                     shift = bool(self._shifts_labels) and labels.dim() >= 2
@@ -287,6 +301,14 @@ class _Tally:
 
 def _is_deepspeed(trainer: Trainer) -> bool:
     return bool(getattr(trainer, "is_deepspeed_enabled", False))
+
+
+def _smoother_shifts(trainer: Trainer) -> bool:
+    """Whether ``Trainer``'s label smoother shifts the labels: by ``Trainer``'s rule, where the
+    class name of the model (of a PEFT model's base) is one of transformers' causal LMs; a
+    subclass or wrapper of one is not shifted there."""
+    model: torch.nn.Module = unwrap_peft_model(trainer.model)  # type: ignore[no-untyped-call]
+    return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
 def _loss_shifts_labels(trainer: Trainer) -> bool | None:
