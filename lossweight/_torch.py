@@ -9,7 +9,7 @@ import functools
 import sys
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from math import inf
 from typing import Any, TypeVar
 
@@ -131,11 +131,12 @@ def nonzero_gradients(groups: Groups) -> torch.Tensor:
     return torch.cat([none, *[flag.to(device, non_blocking=True) for flag in flags]]).any()
 
 
-def leaves(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
-    """The leaves that a backward from ``tensor`` accumulates gradients into: its autograd
-    graph's ``AccumulateGrad`` nodes, walked on the host as far as the caller reads, and the
+def leaves(tensors: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The leaves that a backward from ``tensors`` accumulates gradients into: their autograd
+    graph's ``AccumulateGrad`` nodes, each node walked once however many of them reach it (a
+    trunk that several loss terms share), on the host, as far as the caller reads; and the
     parameters that a reentrant checkpoint's backward recomputes (:func:`_recomputed`)."""
-    seen, nodes = set(), [tensor.grad_fn]
+    seen, nodes = set(), [tensor.grad_fn for tensor in tensors]
     while nodes:
         node = nodes.pop()
         if node is None or node in seen:
@@ -226,13 +227,13 @@ def check_zero_gradients(parameters: list[torch.Tensor], message: str) -> None:
         assert_true(~nonzero_gradients(groups), message)
 
 
-def reaches(loss: torch.Tensor, parameters: list[torch.Tensor]) -> bool:
-    """Whether ``loss``'s backward reaches a gradient of ``parameters``, one of those tensors
-    or a leaf whose gradient is the same memory: a walk of its graph."""
+def reaches(losses: Sequence[torch.Tensor], parameters: list[torch.Tensor]) -> bool:
+    """Whether the backward of ``losses`` reaches a gradient of ``parameters``, one of those
+    tensors or a leaf whose gradient is the same memory: a walk of their graph."""
     wanted = {id(p) for p in parameters} | set(_once(parameters))
     return any(
         id(leaf) in wanted or (leaf.grad is not None and _memory(leaf.grad) in wanted)
-        for leaf in leaves(loss)
+        for leaf in leaves(losses)
     )
 
 

@@ -390,9 +390,7 @@ def _not_given(
     shards = _torch.fsdp_shards()
     if shards is None and any(hasattr(p, "to_local") for p in parameters):
         return {}
-    reached = [
-        p for loss in losses for p in _torch.leaves(loss) if isinstance(p, torch.nn.Parameter)
-    ]
+    reached = [p for p in _torch.leaves(losses) if isinstance(p, torch.nn.Parameter)]
     holders = [(shards or {}).get(id(p), p) for p in reached]  # an unsharded one's: its shard
     return {id(p): p for p in holders if id(p) not in given}
 
@@ -506,5 +504,5 @@ def not_into_another_step(losses: Losses, own: object) -> None:
     with _OPEN_LOCK:
         steps = list(_OPEN)
     for step in steps:
-        if step is not own and any(_torch.reaches(loss, step.parameters) for loss in losses):
+        if step is not own and _torch.reaches(losses, step.parameters):
             raise error("into_another_step")

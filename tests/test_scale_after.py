@@ -571,6 +571,19 @@ def test_a_parameter_inside_a_reentrant_checkpoint_is_looked_for(run: str) -> No
             torch.testing.assert_close(mine, want, rtol=1e-12, atol=0)
 
 
+def test_the_terms_of_a_microbatch_are_walked_as_one_graph() -> None:
+    # Each node once, however many terms reach it: a trunk that 4 terms share is walked once
+    # (a walk per term took 4.9 times as long on a trunk of 4,000 nodes).
+    from lossweight import _torch
+
+    trunk = torch.nn.Linear(2, 2).double()
+    branch = torch.nn.Linear(2, 1).double()
+    hidden = trunk(torch.ones(1, 2, dtype=torch.float64))
+    losses = [hidden.sum(), branch(hidden).sum(), hidden.pow(2).sum(), hidden.mean()]
+    reached = list(_torch.leaves(losses))
+    assert sorted(map(id, reached)) == sorted(map(id, [*trunk.parameters(), *branch.parameters()]))
+
+
 def test_a_gradient_left_from_before_the_step_is_not_taken_for_the_steps() -> None:
     # A generator's step after its discriminator's, whose gradients stay until zeroed: a
     # backward restricted to the generator leaves them untouched (exact); one that reaches them
