@@ -202,6 +202,28 @@ def test_each_bug_fails_with_a_report_of_its_cause(bug: str) -> None:
     assert "the gradient is off by" in report or "the gradient is" in report
 
 
+def logs_its_own_mean(model, microbatches, collective):
+    """Weights the gradient right, but logs this rank's own mean, never reduced over the ranks."""
+    count_first(model, microbatches, collective)
+    total = sum(int(count_tokens(y, shift=True)) for _, y in microbatches)
+    losses = [token_cross_entropy(model(x), y, shift=True)[0] for x, y in microbatches]
+    return float(sum(losses)) / total if total else 0.0
+
+
+def test_a_logged_loss_wrong_beside_an_exact_gradient_is_blamed_on_the_log() -> None:
+    # Before: blamed on counts other than those of the items the losses cover.
+    rows = examples([8, 2, 5, 3, 7, 2, 6, 4])
+    with pytest.raises(AssertionError) as failure:
+        assert_split_invariant(
+            logs_its_own_mean, model(), rows, collate, counts=counts([8, 2, 5, 3, 7, 2, 6, 4])
+        )
+    report = str(failure.value)
+    entry = re.search(r"- '2 ranks: sorted by count'.*?likely cause: ([^\n]+)", report, re.S)
+    assert entry is not None, report
+    assert entry.group(1).startswith("the gradient agrees, the logged loss does not"), report
+    assert "the gradient is off" not in report
+
+
 def test_an_empty_microbatch_nan_is_reported() -> None:
     def unguarded(model, microbatches, collective):
         for x, y in microbatches:

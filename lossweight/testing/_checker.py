@@ -632,6 +632,12 @@ def _likely_cause(
             "an empty microbatch's mean over zero items (0 / 0) reached the gradient; guard "
             "it, or use a summed loss (lossweight's scale_loss() guards it)"
         )
+    if _relative_error(run.gradients, reference.gradients)[0] <= checker.rtol:
+        return (
+            "the gradient agrees, the logged loss does not: it is not the step's loss over "
+            "every microbatch and rank (log lossweight's result.loss, or reduce the loss sum "
+            "and the count over the ranks before dividing one by the other)"
+        )
     world_size, cp = len(split.ranks), (checker.context_parallel or 1) if sharded else 1
     factor = _proportion(run.gradients, reference.gradients)
     if cp > 1 and factor is not None and math.isclose(factor * cp, 1.0, rel_tol=1e-3):
