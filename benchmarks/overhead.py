@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lossweight import Accumulator, StepResult
+from lossweight import Accumulator, StepResult, _torch
 
 from .workload import GPT, token_mean_loss
 
@@ -96,7 +96,9 @@ def call_overhead(args: argparse.Namespace, calls: int = 20_000, repeats: int = 
 def walk_overhead(args: argparse.Namespace, repeats: int = 5) -> dict:
     """A scale-after ``scale_loss()`` walks its loss's autograd graph for parameters not given
     to ``begin()``: its time for a GPT's loss, less its time for a loss without a graph, beside
-    the GPT's forward and backward, at three depths (milliseconds per microbatch)."""
+    the GPT's forward and backward, at three depths (milliseconds per microbatch); and the
+    counters of backward passes that a scale-after step keeps on each parameter given (made,
+    called by one backward, removed: milliseconds per step of one microbatch)."""
     depths = (args.layers, 4 * args.layers, 16 * args.layers)
     return {f"{layers} layers": _walk(args, layers, repeats) for layers in depths}
 
@@ -114,8 +116,19 @@ def _walk(args: argparse.Namespace, layers: int, repeats: int) -> dict:
     walk = best(lambda: acc.scale_loss(loss, num_tokens=7), 20)
     walk -= best(lambda: acc.scale_loss(leaf, num_tokens=7), 20)
     acc.abandon()
+    parameters = list(model.parameters())
+
+    def touch() -> None:  # a backward that reaches every parameter, and little else
+        torch.stack([p.view(-1)[0] for p in parameters]).sum().backward()
+
+    def counted() -> None:
+        counters = _torch.Backwards(parameters)
+        touch()
+        counters.close()
+
+    counters = best(counted, 20) - best(touch, 20)
     step = best(lambda: token_mean_loss(model, tokens, tokens).backward(), 1)
-    return {"walk_ms": walk, "forward_backward_ms": step}
+    return {"walk_ms": walk, "counters_ms": counters, "forward_backward_ms": step}
 
 
 def group_overhead(world_size: int, steps: int = 2000, repeats: int = 5) -> dict:

@@ -199,26 +199,36 @@ def unsharded_given(sharded: list[torch.Tensor], given: list[torch.Tensor]) -> l
     return [p for p in sharded if id(p) in held]
 
 
-class BackwardSeen:
-    """Whether a backward has reached the first of ``parameters`` that autograd accumulates
-    into (a leaf that requires grad) since this was made: a hook on it, until :meth:`close`
-    (or this object's collection) removes it."""
+class Backwards:
+    """How many backward passes have reached each of ``parameters`` that autograd accumulates
+    into (a leaf that requires grad) since this was made: a hook on each, until :meth:`close`
+    (or this object's collection) removes them."""
 
     def __init__(self, parameters: list[torch.Tensor]) -> None:
-        seen = self._seen = [False]  # the hook holds this list, not this object
-        leaf = next((p for p in parameters if p.is_leaf and p.requires_grad), None)
-        self._remove: Callable[[], object] = lambda: None
-        if leaf is not None:
-            mark = leaf.register_post_accumulate_grad_hook
-            hook = mark(lambda _: seen.__setitem__(0, True))  # type: ignore[no-untyped-call]
-            self._remove = weakref.finalize(self, hook.remove)
+        leaves = [p for p in parameters if p.is_leaf and p.requires_grad]
+        counted = self._counted = [0] * len(leaves)  # the hooks hold this list, not this object
+        hooks = [
+            leaf.register_post_accumulate_grad_hook(functools.partial(_count, counted, index))  # type: ignore[no-untyped-call]
+            for index, leaf in enumerate(leaves)
+        ]
+        self._remove = weakref.finalize(self, _remove, hooks)
 
     @property
-    def seen(self) -> bool:
-        return self._seen[0]
+    def count(self) -> int:
+        """The most backward passes that reached one of the parameters."""
+        return max(self._counted, default=0)
 
     def close(self) -> None:
         self._remove()
+
+
+def _count(counted: list[int], index: int, _: torch.Tensor) -> None:
+    counted[index] += 1
+
+
+def _remove(hooks: list[Any]) -> None:
+    for hook in hooks:
+        hook.remove()
 
 
 def check_zero_gradients(parameters: list[torch.Tensor], message: str) -> None:

@@ -229,7 +229,7 @@ class ScaleAfter:
     ) -> None:
         # Gradients left from before the step would be rescaled with this step's.
         _torch.check_zero_gradients(parameters, _STALE)
-        self.backward = _torch.BackwardSeen(parameters)  # a backward on this rank, scaled or not
+        self.backwards = _torch.Backwards(parameters)  # on this rank, scaled or not
         self.parameters, self._estimate, self._divisor = parameters, estimate, divisor
         self._loss = loss
         self._layout, self._terms = layout, layout.terms
@@ -254,7 +254,7 @@ class ScaleAfter:
         """Leave this process's open scale-after steps, ended or ``abandoned``."""
         with _OPEN_LOCK:
             _OPEN.discard(self)
-        self.backward.close()
+        self.backwards.close()
 
     def scale(
         self, losses: Losses, index: int | None, step: int, counts: Counted | None
@@ -334,7 +334,8 @@ class ScaleAfter:
         (a backward that skipped scale_loss(), refused whatever the peers did); and its own
         error where its scaled losses reached none of the parameters, or gradients that end()
         would leave unscaled (of parameters not given, or FSDP2's sharded ones of a module
-        given unsharded)."""
+        given unsharded), or more backward passes reached the first parameter than losses
+        went through scale_loss() (one of them skipped it, and end() would rescale it)."""
         if self._losses:
             refusal = None
             strays = _torch.unscaled(_written(self._strays.values()), self.parameters)
@@ -346,10 +347,12 @@ class ScaleAfter:
                 refusal = error("no_gradients", parameters=parameters, scaled=scaled, step=step)
             elif strays:
                 refusal = error("not_given", step=step, count=len(strays), shapes=_shapes(strays))
+            elif (backwards := self.backwards.count) > (scaled := len(self._losses)):
+                refusal = error("unscaled_backward", step=step, backwards=backwards, scaled=scaled)
             return -float(ranks), refusal
         if not self._groups or not self._loss:  # a stage before the last scales nothing
             return 0.0, None
-        own = ranks * ranks + 1 if self.backward.seen else 1
+        own = ranks * ranks + 1 if self.backwards.count else 1
         return _torch.nonzero_gradients(self._groups) * own, None
 
     def _sum(self, name: str) -> int | float | torch.Tensor:

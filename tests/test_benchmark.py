@@ -112,7 +112,8 @@ def test_the_graph_walk_is_reported_beside_a_forward_and_backward_at_three_depth
     walks = walk_overhead(settings, repeats=1)
     assert list(walks) == ["1 layers", "4 layers", "16 layers"]
     assert all(t["forward_backward_ms"] > 0 for t in walks.values())
+    assert all(set(t) == {"walk_ms", "counters_ms", "forward_backward_ms"} for t in walks.values())
     overhead = {"per_call_us": {}, "per_step_us": {}, "group_per_step_us": {}, "walk": walks}
     table = markdown({}, overhead, {})
-    assert "| scale after: the graph walk per microbatch (1 process) |" in table
+    assert "| scale after, 1 process | graph walk per microbatch, ms |" in table
     assert table.count("| GPT, ") == 3

@@ -584,6 +584,29 @@ def test_the_terms_of_a_microbatch_are_walked_as_one_graph() -> None:
     assert sorted(map(id, reached)) == sorted(map(id, [*trunk.parameters(), *branch.parameters()]))
 
 
+@pytest.mark.parametrize("when", ["before", "after", "twice"])
+def test_a_backward_that_skipped_scale_loss_is_refused(when: str) -> None:
+    # A regulariser back-propagated on its own, before or after the scaled loss, into the last
+    # parameter alone; or the scaled loss back-propagated twice. Before: rescaled with the
+    # scaled gradients, silently (-0.015 for 2.48 in the first two).
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    acc = Accumulator(weight_by="samples", loss_reduction="sum")
+    acc.begin(parameters=model.parameters())
+    if when == "before":
+        (3 * model.bias.sum()).backward()
+    loss = acc.scale_loss(model(x).pow(2).sum(), num_samples=6)
+    loss.backward(retain_graph=True)
+    if when == "after":
+        (3 * model.bias.sum()).backward()
+    if when == "twice":
+        loss.backward()
+    with pytest.raises(ValueError, match=r"^2 backward passes of step 1 reached the parameters"):
+        acc.end()
+    acc.abandon()
+
+
 def test_a_gradient_left_from_before_the_step_is_not_taken_for_the_steps() -> None:
     # A generator's step after its discriminator's, whose gradients stay until zeroed: a
     # backward restricted to the generator leaves them untouched (exact); one that reaches them
