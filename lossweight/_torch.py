@@ -202,10 +202,12 @@ def unsharded_given(sharded: list[torch.Tensor], given: list[torch.Tensor]) -> l
 class Backwards:
     """How many backward passes have reached each of ``parameters`` that autograd accumulates
     into (a leaf that requires grad) since this was made: a hook on each, until :meth:`close`
-    (or this object's collection) removes them."""
+    (or this object's collection) removes them. On DTensors, the first one's alone: FSDP2 makes
+    the copy of a gradient it offloads to the CPU blocking where the parameter has a hook."""
 
     def __init__(self, parameters: list[torch.Tensor]) -> None:
         leaves = [p for p in parameters if p.is_leaf and p.requires_grad]
+        leaves = leaves[:1] if any(hasattr(p, "to_local") for p in leaves) else leaves
         counted = self._counted = [0] * len(leaves)  # the hooks hold this list, not this object
         hooks = [
             leaf.register_post_accumulate_grad_hook(functools.partial(_count, counted, index))  # type: ignore[no-untyped-call]

@@ -42,7 +42,8 @@ sitting 369) with a stray parameter's gradient refused only where the step wrote
 then 1,828 (sitting 371) with a lazy module's parameters refused by begin() by name, and 1,829
 with a numpy step number taken as an int; then 1,827 (sitting 370) with a microbatch's terms
 walked as one graph; then 1,835 (sitting 374) with each given parameter's backward passes
-counted, so that a backward that skipped scale_loss() is refused.
+counted, so that a backward that skipped scale_loss() is refused, and 1,836 (sitting 375) with
+FSDP2's DTensors counted on the first alone.
 ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
@@ -81,10 +82,10 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1835),
+    ("code lines", lambda s: s.code_lines, "<=", 1836),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
     ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 303),
-    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 374),
+    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 375),
     ("torch-free lines", lambda s: s.torch_free_lines, ">=", 350),
     ("longest class", lambda s: s.longest_class.lines, "<=", 250),
     ("longest function", lambda s: s.longest_function.lines, "<=", 40),
