@@ -142,9 +142,9 @@ class Accumulator:
         1-D tensor, or a sequence of numbers or 0-dim tensors; integers, but floats for
         ``weight_sum``; those that normalise a term are required); its all-reduce starts here.
         Scale after: the ``parameters`` whose gradients ``end()`` rescales (None or zero now):
-        modules, an optimizer, or tensors. ``step``: the loop's own step number, the same on
-        every rank (default: ``steps + 1``), so that a rank that skips an iteration is caught at
-        once. ``with acc.begin(...):`` abandons on an error."""
+        modules, an optimizer, or tensors. ``step``: the loop's own step number (an int, or a
+        numpy integer), the same on every rank (default: ``steps + 1``), so that a rank that
+        skips an iteration is caught at once. ``with acc.begin(...):`` abandons on an error."""
         given = {"samples": num_samples, "tokens": num_tokens, "weight_sum": weight_sum}
         counts = {n: c if c is None else _counts(n, c, 1) for n, c in given.items()}
         lengths = {n: None if c is None else len(c) for n, c in counts.items()}

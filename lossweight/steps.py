@@ -334,8 +334,8 @@ class ScaleAfter:
         (a backward that skipped scale_loss(), refused whatever the peers did); and its own
         error where its scaled losses reached none of the parameters, or gradients that end()
         would leave unscaled (of parameters not given, or FSDP2's sharded ones of a module
-        given unsharded), or more backward passes reached the first parameter than losses
-        went through scale_loss() (one of them skipped it, and end() would rescale it)."""
+        given unsharded), or more backward passes reached a parameter given than losses went
+        through scale_loss() (one of them skipped it, and end() would rescale it)."""
         if self._losses:
             refusal = None
             strays = _torch.unscaled(_written(self._strays.values()), self.parameters)
