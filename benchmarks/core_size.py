@@ -15,6 +15,8 @@ The figures, over those files:
 - parallel code lines: the code lines of ``PARALLEL_FILES``, the optional module of the
   parallel layouts beyond plain data parallelism (meshes, tensor-parallel checks, pipelines),
   which a vendorer of plain data parallelism does not copy;
+- compiled code lines, for information: those of ``COMPILED_FILES``, the optional module of
+  torch.compile support, which a vendorer who never compiles ``scale_loss()`` does not copy;
 - one sitting, per mode: the distinct lines of the core that one realistic step runs (2
   microbatches of mean losses, ``loss_logging="end"``, the step's loss read), traced with
   :func:`sys.settrace`: what a reader follows to understand one step;
@@ -66,6 +68,9 @@ ACCUMULATOR_FILES = (
 PARALLEL_FILES = ("parallel.py",)
 """What a vendorer adds for DeviceMesh groups, tensor-parallel checks and pipeline stages."""
 
+COMPILED_FILES = ("compiled.py",)
+"""What a vendorer adds to call a count-first ``scale_loss()`` inside torch.compile."""
+
 Mode = Literal["count first", "scale after"]
 MODES: tuple[Mode, ...] = ("count first", "scale after")
 COUNTS = (3, 1)  # the tokens of the traced step's 2 microbatches
@@ -111,6 +116,8 @@ class CoreSize:
 
     code_lines: int
     parallel_code_lines: int
+    compiled_code_lines: int
+    """The code lines of ``COMPILED_FILES``, for information."""
     sitting: dict[str, int]
     """Per mode, the distinct core lines one realistic step runs."""
     sitting_per_file: dict[str, dict[str, int]]
@@ -387,6 +394,7 @@ def measure() -> CoreSize:
     return CoreSize(
         code_lines=sum(code.values()),
         parallel_code_lines=sum(map(code_lines, core_files(package, PARALLEL_FILES))),
+        compiled_code_lines=sum(map(code_lines, core_files(package, COMPILED_FILES))),
         sitting={mode: sum(per_file.values()) for mode, per_file in traced.items()},
         sitting_per_file={mode: dict(per_file.most_common()) for mode, per_file in traced.items()},
         total_lines=sum(lines.values()),
@@ -413,6 +421,7 @@ def table(size: CoreSize) -> list[str]:
             f"{budget.figure:<26} {value:>6}  {budget!s:<8} {verdict:<4} {where.get(key, '')}"
         )
     lines.append(f"{'total lines':<26} {size.total_lines:>6}  (docstrings included)")
+    lines.append(f"{'compiled code lines':<26} {size.compiled_code_lines:>6}  (torch.compile)")
     return lines
 
 

@@ -9,20 +9,27 @@ import functools
 import sys
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from math import inf
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-from torch.torch_version import TorchVersion
 
-T = TypeVar("T")
+from .errors import error
+
 Groups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
-# Before torch 2.9, inductor removed _assert_async from compiled graphs, and on ROCm its
-# device asserts are compiled out: a compiled check there would pass whatever the ranks sent.
-GRAPH_ASSERTS = torch.version.hip is None and TorchVersion(torch.__version__) >= "2.9"
-# torch 2.7 gave torch._dynamo.graph_break its message argument.
-GRAPH_BREAK_MESSAGE = TorchVersion(torch.__version__) >= "2.7"
+
+try:  # torch.compile support, which a vendored copy may leave out (docs/vendoring.md)
+    from . import compiled as compiled
+except ImportError:  # "cannot import name": no such file
+    compiled = None  # type: ignore[assignment]
+
+
+def needs_compiled() -> None:
+    """Before a call traced by torch.compile uses :mod:`lossweight.compiled`: an error naming
+    the file where a vendored copy left it out."""
+    if compiled is None:
+        raise error("not_copied", file="compiled.py", use="scale_loss() inside torch.compile")
 
 
 def inferring_pipeline_shapes() -> bool:
@@ -42,29 +49,6 @@ def assert_true(flag: torch.Tensor, message: str) -> None:
     """Fail with ``message`` where ``flag`` is False, without a host read: at once on the CPU
     (RuntimeError), at the next sync on an accelerator, when run in a compiled graph."""
     torch._assert_async(flag, message)
-
-
-def untraced(message: str, run: Callable[[], T]) -> T:
-    """``run()`` outside the graph torch.compile traces: with ``fullgraph=True`` the compile
-    fails with ``message``; without it, ``run`` falls back to eager code."""
-    graph_break(message)
-    return torch.compiler.disable(run)()  # type: ignore[no-untyped-call,no-any-return]
-
-
-def graph_break(message: str) -> None:
-    """``torch._dynamo.graph_break(message)``. torch 2.6's takes no message: the break is made
-    where dynamo traces this call, with the message (later torch made unimplemented()'s
-    arguments keywords)."""
-    if GRAPH_BREAK_MESSAGE:
-        torch._dynamo.graph_break(message)
-    else:
-        from torch._dynamo.comptime import comptime
-
-        def fail(context: Any) -> None:  # run by dynamo as it traces; reads no free variable
-            text = context.get_local("message").as_python_constant()
-            torch._dynamo.exc.unimplemented(text)  # type: ignore[call-arg]
-
-        comptime(fail)
 
 
 def gradient_version(parameter: torch.Tensor) -> tuple[torch.Tensor | None, int]:
@@ -260,20 +244,6 @@ def multiply(groups: Groups, factor: torch.Tensor) -> None:
     """Multiply every gradient in place by the 0-dim ``factor``, one pass per group."""
     for (device, _), grads in groups.items():
         torch._foreach_mul_(grads, factor.to(device, non_blocking=True))
-
-
-class FunctionalAllReduce:
-    """Sums ``tensor`` in place with the functional collective, whose wait torch.compile
-    traces. ``wait()`` returns the result: read that one, so that a compiled graph orders every
-    read after the wait."""
-
-    def __init__(self, tensor: torch.Tensor, group_name: str) -> None:
-        torch.ops._c10d_functional.all_reduce_(tensor, "sum", group_name)
-        self._tensor = tensor
-
-    def wait(self) -> torch.Tensor:
-        waited: torch.Tensor = torch.ops._c10d_functional.wait_tensor(self._tensor)
-        return waited
 
 
 class Verdict:

@@ -192,7 +192,8 @@ class Accumulator:
         tensors = self._tensors
         not_into_another_step(losses, tensors)
         if torch.compiler.is_compiling() and isinstance(tensors, CountFirst) and not any(given):
-            return tensors.scale_traced(losses, machine.trace(self.state))
+            _torch.needs_compiled()
+            return _torch.compiled.scale(tensors, losses, machine.trace(self.state))
         state, index = machine.scale(self.state, given, _traced(tensors))
         assert tensors is not None  # the machine refuses a call without a step
         scaled = tensors.scale(losses, index, state.steps, counts if any(given) else None)

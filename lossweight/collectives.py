@@ -112,10 +112,10 @@ class ProcessGroupCollective:
         return device.type in self._device_types
 
     def all_reduce_sum(self, tensor: torch.Tensor, *, traceable: bool = False) -> Waitable | None:
-        if traceable:
+        if traceable and _torch.compiled is not None:
             # torch holds a functional collective until it is waited on, so it serves only
             # reductions that always are.
-            return _torch.FunctionalAllReduce(tensor, self._group_name)
+            return _torch.compiled.FunctionalAllReduce(tensor, self._group_name)
         # Looked up on the module at each call, so that code which wraps
         # torch.distributed.all_reduce (to trace collectives) sees this one too.
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)  # type: ignore[no-any-return]
@@ -140,8 +140,10 @@ class CollectiveResolver:
             raise error("group_and_collective", group=group, collective=collective)
         self.mesh: MeshGroup | None = None
         if isinstance(group, DeviceMesh):
-            from .parallel import MeshGroup  # optional: only for a mesh
-
+            try:  # optional: only for a mesh
+                from .parallel import MeshGroup
+            except ImportError:  # "cannot import name": no such file
+                raise error("not_copied", file="parallel.py", use="group= a DeviceMesh") from None
             self.mesh = MeshGroup(group, pipeline)
         elif pipeline is not None:
             raise error("pipeline_dimension", value=pipeline, group=group, names=())

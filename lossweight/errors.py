@@ -123,9 +123,7 @@ MESSAGES: dict[str, tuple[type[Exception], str]] = {
     "differ_carried": (DisagreementError, "{share}% of the ranks' reductions carry the loss of the step before (loss_logging='next_step'), and this rank's {own}: a rank abandoned a step that another ended, or ended one that another abandoned"),
     "differ_estimate": (DisagreementError, "the ranks differ in the estimate of W that a scale-after step's provisional factors assume, so their gradients were averaged at different scales: this rank's is {own}; give every rank the same weight_estimate, and load the same saved state on every rank"),
     "differ_divisor": (DisagreementError, "the ranks differ in grad_reduction (or framework_divides_loss_by): this rank's factors undo a division of the gradients by {divisor:g}, another rank's by another number"),
-    "traced_too_many": (RuntimeError, "lossweight: a compiled scale_loss() was called for more microbatches than begin() declared; declare one count per microbatch in begin()"),
-    "traced_too_few": (RuntimeError, "lossweight: end() was called before every microbatch that begin() declared went through scale_loss(); pass every declared microbatch's loss through scale_loss(), or declare fewer"),
-    "graph_asserts": (RuntimeError, "lossweight: scale_loss() inside torch.compile needs torch 2.9 or newer on CPU or CUDA (this is torch {version}), whose compiled graphs keep the asserts of the ranks' agreement check; upgrade torch, or call scale_loss() outside the compiled function"),
+    "not_copied": (RuntimeError, "{use} needs lossweight's {file}, which this copy of lossweight leaves out; copy {file} into the folder of accumulator.py (docs/vendoring.md lists the files of each use)"),
     # The table itself.
     "code_taken": (ValueError, "the codes {codes} have other rows in lossweight.errors.MESSAGES already; give each row a code of its own"),
 }

@@ -175,13 +175,10 @@ class Reduction:
 
     def _check(self) -> None:
         self._checked, checked, mesh = True, self._agreement(), self._peers
-        if torch.compiler.is_compiling() and not _torch.GRAPH_ASSERTS:
-            message = device_message("graph_asserts", version=torch.__version__)
-            _torch.untraced(message, lambda: self._check_on_host(checked))
-        elif torch.compiler.is_compiling():
-            messages = (*_ASSERT_MESSAGES, *([] if mesh is None else mesh.messages()))
-            for index, passed in enumerate(checked):
-                _torch.assert_true(passed, messages[index])
+        if torch.compiler.is_compiling():
+            peers = [] if mesh is None else mesh.messages()
+            _torch.needs_compiled()
+            _torch.compiled.check(checked, peers, lambda: self._check_on_host(checked))
         elif self.device.type in CHECKED_ON_HOST:
             self._check_on_host(checked)
         elif self.device.type != "meta":  # a meta tensor has no values to check
@@ -289,13 +286,3 @@ def _with_peers(
     if mesh is None or not mesh.peers:
         return payload, None
     return mesh.extend(payload, layout, microbatches), mesh
-
-
-# Fixed, so that an assert in a compiled graph neither formats a string per reduction nor reads
-# a number that torch.compile may have made symbolic.
-_ASSERT_MESSAGES = (
-    *[device_message("disagree", field=field) for field in FIELDS * 2],  # codes, their squares
-    device_message("unscaled_gradients"),
-    device_message("peer_refused", count="some", ranks="several"),
-    *[device_message("total_too_large", name=ARGUMENTS[count]) for count in COUNTS],
-)

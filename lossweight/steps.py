@@ -114,10 +114,10 @@ class CountFirst:
         self.record(index, losses)
         guard = self._host_positive is None or not self._host_positive[index]
         if not guard and len(losses) == 1:  # the common case, kept short: it runs per microbatch
-            return losses[0] * self._on(losses[0])[0][0][index]
+            return losses[0] * self.cast(losses[0])[0][0][index]
         scaled = []
         for term, loss in enumerate(losses):
-            factors, positive = self._on(loss)
+            factors, positive = self.cast(loss)
             if guard:
                 # A microbatch of weight 0 contributes exactly nothing: torch.where takes
                 # neither the value nor the gradient of the loss it does not select (a NaN of
@@ -148,35 +148,13 @@ class CountFirst:
                 where = {"microbatch": index, "step": step, "declared": want}
                 raise error("count_mismatch", name=argument, value=count, **where)
 
-    def scale_traced(self, losses: Losses, start: int) -> torch.Tensor:
-        """``scale()`` as torch.compile traces it: the position is a tensor, and nothing in the
-        graph depends on the counts or on how many microbatches came before."""
-        if self.cursor is None:  # the first compiled microbatch, after ``start`` eager ones
-            self.cursor = torch.full((), start, dtype=torch.int64, device=losses[0].device)
-        cursor, buffers = self.cursor, self._buffers(losses[0])
-        # Sizes come from shapes, which torch.compile makes symbolic, never from self.size, a
-        # Python int it would compile one graph for each value of; the position is clamped so
-        # that the assert, not an index out of bounds, reports a microbatch too many.
-        size = buffers[0].shape[0]
-        _torch.assert_true(cursor < size, device_message("traced_too_many"))
-        position = cursor.clamp(max=size - 1).view(1)
-        scaled = []
-        for term, (loss, buffer) in enumerate(zip(losses, buffers, strict=True)):
-            buffer.index_copy_(0, position, loss.detach().to(torch.float64).view(1))
-            factors, positive = self._on(loss)
-            selected = positive[term].index_select(0, position).view(())
-            factor = factors[term].index_select(0, position).view(())
-            scaled.append(torch.where(selected, loss, 0.0) * factor)
-        cursor.add_(1)
-        return sum(scaled[1:], scaled[0])
-
     def record(self, index: int, losses: Losses) -> None:
         """Keep a copy of microbatch ``index``'s detached losses for the logged loss."""
-        buffers = self._losses or self._buffers(losses[0])
+        buffers = self._losses or self.buffers(losses[0])
         for term, loss in enumerate(losses):
             buffers[term][index] = loss.detach()
 
-    def _buffers(self, loss: torch.Tensor) -> Rows:
+    def buffers(self, loss: torch.Tensor) -> Rows:
         """The microbatches' losses, made on the first loss's device."""
         if not self._losses:
             self._losses = tuple(torch.zeros_like(w, device=loss.device) for w in self._weights)
@@ -185,8 +163,8 @@ class CountFirst:
     def loss_sum(self, known: bool) -> torch.Tensor:
         """This rank's terms of the losses' numerators, after its last microbatch; NaN where a
         loss was not handed over (``known`` False), so that no rank logs a wrong one."""
-        if self.cursor is not None:  # a compiled step: checked on the device, no host sync
-            _torch.assert_true(self.cursor == self.size, device_message("traced_too_few"))
+        if self.cursor is not None:
+            _torch.compiled.all_taken(self.cursor, self.size)
         if not self._losses or not known:
             fill = 0.0 if known else torch.nan
             return torch.full((len(self._terms),), fill, dtype=torch.float64, device=self.device)
@@ -198,7 +176,7 @@ class CountFirst:
             losses = tuple(torch.where(w > 0, x, 0.0) for w, x in zip(weights, losses, strict=True))
         return _contributions(losses, weights, self._terms)
 
-    def _on(self, loss: torch.Tensor) -> tuple[Rows, Rows]:
+    def cast(self, loss: torch.Tensor) -> tuple[Rows, Rows]:
         """The factors at the loss's precision (float32 at least), and whether each weight is
         positive, on the loss's device: made once a step (and a loss device and dtype)."""
         for device, dtype, factors, positive in self._cast:

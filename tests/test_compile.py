@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-from lossweight import Accumulator, _torch
+import lossweight.compiled
+from lossweight import Accumulator
 
 from .torch_range import needs_compiled_checks
 
@@ -62,7 +63,7 @@ def test_compiling_scale_loss_is_refused_where_graphs_drop_asserts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # As on torch < 2.9 (inductor removed _assert_async) or ROCm (device asserts compiled out).
-    monkeypatch.setattr(_torch, "GRAPH_ASSERTS", False)
+    monkeypatch.setattr(lossweight.compiled, "GRAPH_ASSERTS", False)
     acc = Accumulator(loss_reduction="sum")
     microbatch, _ = compiled(acc)
     acc.begin(num_tokens=[3])

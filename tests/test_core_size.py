@@ -43,7 +43,8 @@ then 1,828 (sitting 371) with a lazy module's parameters refused by begin() by n
 with a numpy step number taken as an int; then 1,827 (sitting 370) with a microbatch's terms
 walked as one graph; then 1,835 (sitting 374) with each given parameter's backward passes
 counted, so that a backward that skipped scale_loss() is refused, and 1,836 (sitting 375) with
-FSDP2's DTensors counted on the first alone.
+FSDP2's DTensors counted on the first alone; then 1,798 (sittings 302 and 374) once the
+support of torch.compile moved to the optional ``compiled.py`` (68 code lines).
 ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
@@ -82,10 +83,10 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1836),
+    ("code lines", lambda s: s.code_lines, "<=", 1798),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
-    ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 303),
-    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 375),
+    ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 302),
+    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 374),
     ("torch-free lines", lambda s: s.torch_free_lines, ">=", 350),
     ("longest class", lambda s: s.longest_class.lines, "<=", 250),
     ("longest function", lambda s: s.longest_function.lines, "<=", 40),

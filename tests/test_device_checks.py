@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from lossweight import Accumulator, DisagreementError, _torch, payload
+from lossweight import Accumulator, DisagreementError, _torch, compiled, payload
 from lossweight.errors import MESSAGES
 from lossweight.terms import Layout, Term
 from lossweight.testing import InProcessCollective, InProcessGroup
@@ -66,8 +66,8 @@ def test_the_compiled_checks_say_the_table_s_words() -> None:
         ".*?".join(map(re.escape, re.split(r"\{[^}]*\}", template)))
         for _, template in MESSAGES.values()
     ]
-    assert len(payload._ASSERT_MESSAGES) == Layout((Term("loss", "sum"),)).checked
-    for message in payload._ASSERT_MESSAGES:
+    assert len(compiled.ASSERT_MESSAGES) == Layout((Term("loss", "sum"),)).checked
+    for message in compiled.ASSERT_MESSAGES:
         assert any(re.fullmatch(pattern, message) for pattern in patterns), message
 
 

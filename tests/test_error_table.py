@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import lossweight
+import lossweight.compiled
 import lossweight.integrations.accelerate
 import lossweight.integrations.deepspeed
 import lossweight.integrations.hf
@@ -28,6 +29,7 @@ except ImportError:
     composer_rows = None
 ROW_MODULES = (
     *([composer_rows] if composer_rows is not None else []),
+    lossweight.compiled,
     lossweight.counting,
     lossweight.parallel,
     lossweight.testing,
@@ -100,6 +102,7 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     "graph_asserts": ("test_compile.py", "inside torch.compile needs torch 2.9"),
     "mesh_unnamed": ("test_mesh.py", "of several dimensions without names"),
     "mesh_model_parallel": ("test_mesh.py", "whose ranks hold the same data"),
+    "not_copied": ("test_vendoring.py", "which this copy of lossweight leaves out"),
     "mesh_partial": ("test_mesh.py", "holds part of a dimension of its root mesh"),
     "not_the_loss_stage": ("test_mesh.py", "whose pipeline stage is not the last one"),
     "clip_pipeline": ("test_mesh.py", "under pipeline= each stage holds a part of the model"),

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import lossweight
-from benchmarks.core_size import ACCUMULATOR_FILES, PARALLEL_FILES
+from benchmarks.core_size import ACCUMULATOR_FILES, COMPILED_FILES, PARALLEL_FILES
 
 PACKAGE = Path(lossweight.__file__).parent
 
@@ -53,18 +53,24 @@ def test_the_accumulator_files_run_a_step_under_another_name(tmp_path: Path) -> 
     )
 
 
-def test_the_parallel_file_added_runs_a_mesh_step_under_another_name(tmp_path: Path) -> None:
-    # A one-rank gloo world and a mesh of it: the vendored parallel.py makes the mesh's group.
-    vendor(tmp_path, [*ACCUMULATOR_FILES, *PARALLEL_FILES])
-    run_isolated(
-        tmp_path,
+def one_rank_mesh(tmp_path: Path) -> str:
+    """Code that makes a one-rank gloo world and a mesh of it, ``mesh``."""
+    return (
         "import torch, torch.distributed as dist\n"
         "from torch.distributed.device_mesh import init_device_mesh\n"
         "from mytrainer._vendor.lw.accumulator import Accumulator\n"
         f"dist.init_process_group('gloo', init_method='file://{tmp_path}/init', rank=0,\n"
         "                        world_size=1)\n"
         "mesh = init_device_mesh('cpu', (1,), mesh_dim_names=('dp',))\n"
-        "x = torch.ones((), dtype=torch.float64, requires_grad=True)\n"
+    )
+
+
+def test_the_parallel_file_added_runs_a_mesh_step_under_another_name(tmp_path: Path) -> None:
+    # A one-rank gloo world and a mesh of it: the vendored parallel.py makes the mesh's group.
+    vendor(tmp_path, [*ACCUMULATOR_FILES, *PARALLEL_FILES])
+    run_isolated(
+        tmp_path,
+        one_rank_mesh(tmp_path) + "x = torch.ones((), dtype=torch.float64, requires_grad=True)\n"
         "acc = Accumulator(loss_reduction='sum', group=mesh['dp'])\n"
         "acc.begin(num_tokens=[2, 1])\n"
         "for count in (2, 1):\n"
@@ -74,6 +80,63 @@ def test_the_parallel_file_added_runs_a_mesh_step_under_another_name(tmp_path: P
         "assert 'mytrainer._vendor.lw.parallel' in sys.modules\n"
         "loaded = [name for name, module in sys.modules.items() if module is not None]\n"
         "assert not any(name.startswith('lossweight') for name in loaded)\n"
+        "dist.destroy_process_group()\n",
+    )
+
+
+COMPILED_STEP = (
+    "import torch\n"
+    "from mytrainer._vendor.lw.accumulator import Accumulator\n"
+    "acc = Accumulator(loss_reduction='sum')\n"
+    "layer = torch.nn.Linear(4, 1)\n"
+    "def microbatch(features):\n"
+    "    return acc.scale_loss(layer(features).sum())\n"
+    "def step(function):\n"
+    "    layer.zero_grad()\n"
+    "    acc.begin(num_tokens=[3])\n"
+    "    function(torch.ones(2, 4)).backward()\n"
+    "    acc.end()\n"
+    "    assert torch.allclose(layer.weight.grad, torch.full((1, 4), 2 / 3)), layer.weight.grad\n"
+)
+
+
+def test_the_compiled_file_added_compiles_scale_loss_under_another_name(tmp_path: Path) -> None:
+    vendor(tmp_path, [*ACCUMULATOR_FILES, *COMPILED_FILES])
+    run_isolated(
+        tmp_path,
+        COMPILED_STEP + "step(torch.compile(microbatch, fullgraph=True, backend='eager'))\n"
+        "assert 'mytrainer._vendor.lw.compiled' in sys.modules\n",
+    )
+
+
+def test_a_copy_without_the_compiled_file_refuses_a_compiled_scale_loss(tmp_path: Path) -> None:
+    # With fullgraph=True the compile fails with lossweight's words; without it, dynamo runs
+    # scale_loss() as eager code, which weights the step as ever.
+    vendor(tmp_path, list(ACCUMULATOR_FILES))
+    run_isolated(
+        tmp_path,
+        COMPILED_STEP + "try:\n"
+        "    step(torch.compile(microbatch, fullgraph=True, backend='eager'))\n"
+        "except Exception as error:\n"
+        "    assert 'needs lossweight\\'s compiled.py, which this copy of lossweight leaves out'"
+        " in str(error), error\n"
+        "    acc.abandon()\n"
+        "else:\n"
+        "    raise AssertionError('compiled without compiled.py')\n"
+        "step(torch.compile(microbatch, backend='eager'))\n",
+    )
+
+
+def test_a_copy_without_the_parallel_file_refuses_a_mesh(tmp_path: Path) -> None:
+    vendor(tmp_path, list(ACCUMULATOR_FILES))
+    run_isolated(
+        tmp_path,
+        one_rank_mesh(tmp_path) + "try:\n"
+        "    Accumulator(loss_reduction='sum', group=mesh['dp'])\n"
+        "except RuntimeError as error:\n"
+        "    assert 'group= a DeviceMesh needs lossweight\\'s parallel.py' in str(error), error\n"
+        "else:\n"
+        "    raise AssertionError('a mesh without parallel.py')\n"
         "dist.destroy_process_group()\n",
     )
 
@@ -129,10 +192,11 @@ def test_the_listed_files_are_all_the_accumulator_imports() -> None:
                 else:  # "from . import weighting"
                     imported.update(f"{m.strip()}.py" for m in line.split("import")[1].split(","))
     assert imported <= set(ACCUMULATOR_FILES), imported - set(ACCUMULATOR_FILES)
-    # The parallel layouts are imported where they are used, never at the top of a core file.
+    # The optional modules are imported where a copy may lack them, never at the top level.
     for name in ACCUMULATOR_FILES:
         text = (PACKAGE / name).read_text()
         assert "\nfrom .parallel import" not in text, name
+        assert "\nfrom . import compiled" not in text, name
     # And the page lists exactly these files for the Accumulator.
     page = (PACKAGE.parent / "docs" / "vendoring.md").read_text()
     row = next(line for line in page.splitlines() if line.startswith("| the `Accumulator`"))

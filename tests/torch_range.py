@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.torch_version import TorchVersion
 
-from lossweight import _torch
+from lossweight import compiled
 
 TORCH = TorchVersion(torch.__version__)
 
@@ -37,7 +37,7 @@ needs_tensor_parallel_check = pytest.mark.skipif(
     reason=f"torch {torch.__version__} has no DeviceMesh._concatenate to check tensor-parallel "
     "ranks with",
 )
-COMPILED_CHECKS = _torch.GRAPH_ASSERTS
+COMPILED_CHECKS = compiled.GRAPH_ASSERTS
 COMPILED_CHECKS_REASON = (
     f"scale_loss() inside torch.compile needs torch 2.9 (this is {torch.__version__})"
 )

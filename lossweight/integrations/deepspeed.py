@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from .. import Accumulator, _torch, machine
+from .. import Accumulator, compiled, machine
 from ..accumulator import Count, Counts, Factors, Losses, StepContext
 from ..collectives import Waitable, start_all_reduce
 from ..errors import add_messages, device_message, error
@@ -181,8 +181,8 @@ class DeepSpeedAccumulator(Accumulator):
         """:meth:`Accumulator.scale_loss`; counting first, it also tells the engine whether
         this microbatch ends the step, where DeepSpeed reduces and steps."""
         if torch.compiler.is_compiling():
-            if not _torch.GRAPH_BREAK_MESSAGE:  # torch 2.6 reports a raise without its message
-                _torch.graph_break(device_message("deepspeed_compiled"))
+            if not compiled.GRAPH_BREAK_MESSAGE:  # torch 2.6 reports a raise without its message
+                compiled.graph_break(device_message("deepspeed_compiled"))
             raise error("deepspeed_compiled")
         counts = {"num_samples": num_samples, "num_tokens": num_tokens, "weight_sum": weight_sum}
         scaled = super().scale_loss(loss, **counts)
