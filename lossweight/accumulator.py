@@ -654,13 +654,10 @@ def _checked_state(state_dict: object, options: Options) -> tuple[int, float]:
         raise error("state_options", value=saved)
     # The saved estimate of W counts the items of weight_by; the rest is configuration, which
     # a resumed run may change.
-    if saved.get("weight_by") != options.weight_by:
-        raise error(
-            "state_option", name="weight_by", saved=saved.get("weight_by"), value=options.weight_by
-        )
-    steps, estimate = state_dict["steps"], state_dict["weight_estimate"]
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise error("state_steps", value=steps)
-    if not terms.finite(estimate) or estimate < 0:
+    if (weight_by := saved.get("weight_by")) != options.weight_by:
+        raise error("state_option", name="weight_by", saved=weight_by, value=options.weight_by)
+    if (steps := terms.natural(state_dict["steps"])) is None:
+        raise error("state_steps", value=state_dict["steps"])
+    if not terms.finite(estimate := state_dict["weight_estimate"]) or estimate < 0:
         raise error("state_estimate", value=estimate)
     return steps, float(estimate)

@@ -139,17 +139,16 @@ class CollectiveResolver:
         if collective is not None and group is not None:
             raise error("group_and_collective", group=group, collective=collective)
         self.mesh: MeshGroup | None = None
+        self.stages, self.pipelined = (1, True), pipeline is not None
         if isinstance(group, DeviceMesh):
             try:  # optional: only for a mesh
                 from .parallel import MeshGroup
             except ImportError:  # "cannot import name": no such file
                 raise error("not_copied", file="parallel.py", use="group= a DeviceMesh") from None
             self.mesh = MeshGroup(group, pipeline)
+            self.stages = self.mesh.stages
         elif pipeline is not None:
             raise error("pipeline_dimension", value=pipeline, group=group, names=())
-        self.stages, self.pipelined = (1, True), pipeline is not None
-        if self.mesh is not None:
-            self.stages = self.mesh.stages
         if isinstance(collective, type):
             raise error("collective_class", value=collective, name=collective.__name__)
         if collective is not None and not isinstance(collective, Collective):

@@ -13,13 +13,12 @@ device: the caller says so (``traced``), since a graph must not read a per-step 
 
 from __future__ import annotations
 
-import numbers
 import operator
 from collections.abc import Mapping
 from typing import NamedTuple, TypeVar
 
 from .errors import error
-from .terms import ARGUMENTS, COUNTS, Options
+from .terms import ARGUMENTS, COUNTS, Options, natural
 
 COUNT_FIRST, SCALE_AFTER = "count_first", "scale_after"
 T = TypeVar("T", bound=tuple[object, ...])
@@ -100,12 +99,10 @@ def begin(
         raise error("weight_missing", name=ARGUMENTS[count], term=term, weight_by=count)
     if len(set(given.values())) > 1:
         raise error("lengths_differ", lengths={ARGUMENTS[n]: size for n, size in given.items()})
-    if number is None:
-        number = state.steps + 1
-    elif isinstance(number, bool) or not isinstance(number, numbers.Integral) or number < 0:
+    if (index := state.steps + 1 if number is None else natural(number)) is None:
         raise error("bad_step", value=number)
     mode, declared = COUNT_FIRST if given else SCALE_AFTER, next(iter(given.values()), 0)
-    step = Step(int(number), mode, declared, loss=loss)  # a numpy integer: as a plain int
+    step = Step(index, mode, declared, loss=loss)
     # A count-first begin() carries a waiting loss; a scale-after step's end() does.
     return state._replace(steps=step.number, step=step, pending=state.pending and not given)
 

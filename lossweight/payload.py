@@ -41,8 +41,9 @@ class Reduction:
     ``unscaled`` slot, and ``refusal``, this rank's own error (see :func:`_host`)."""
 
     _peers: MeshGroup | None
-    _error: Exception | None
-    _verdict: _torch.Verdict | None
+    _error: Exception | None = None
+    _verdict: _torch.Verdict | None = None
+    _checked = settled = False  # settled: checked, its verdict known on the host
 
     def __init__(
         self,
@@ -60,10 +61,8 @@ class Reduction:
     ) -> None:
         host = _host(layout, codes, collective.world_size, counts, flags)
         host[layout.refused] = refusal is not None
-        if not isinstance(unscaled, torch.Tensor):
-            host[layout.unscaled] = unscaled
-        values = torch.frombuffer(array("d", host), dtype=torch.float64)  # faster than a list
-        values = values.to(device, non_blocking=True)
+        host[layout.unscaled] = 0.0 if isinstance(unscaled, torch.Tensor) else unscaled
+        values = torch.frombuffer(host, dtype=torch.float64).to(device, non_blocking=True)
         payload, self._bounds = values[: layout.length], values[layout.length :].view(2, -1)
         if isinstance(unscaled, torch.Tensor):
             payload[layout.unscaled].copy_(unscaled)
@@ -78,12 +77,13 @@ class Reduction:
                 sums, nonfinite = layout.losses[previous]
                 payload[sums].copy_(loss)  # copy_ moves a loss's device too
                 payload[nonfinite].copy_(loss - loss != 0)
-        payload, self._peers = _with_peers(payload, layout, collective, microbatches or {})
-        self.layout, self._payload, self._codes = layout, payload, codes
+        mesh = collective.mesh if isinstance(collective, ProcessGroupCollective) else None
+        self._peers = mesh if mesh is not None and mesh.peers else None
+        if self._peers is not None:  # a mesh's tensor-parallel peers, checked to agree
+            payload = self._peers.extend(payload, layout, microbatches or {})
+        self.layout, self._payload, self._codes, self._refusal = layout, payload, codes, refusal
         self._world_size, self._collective = collective.world_size, type(collective).__name__
         self._handle: Waitable | None = start_all_reduce(collective, payload, traceable)
-        self._checked = self.settled = False  # settled: checked, its verdict known on the host
-        self._error, self._verdict, self._refusal = None, None, refusal
 
     @property
     def device(self) -> torch.device:
@@ -135,8 +135,7 @@ class Reduction:
         """:meth:`total`, or NaN where the ranks' agreement fails, raising nothing: the same on
         every rank, whether it has checked the reduction yet or not (its use raises)."""
         self.wait()
-        total = self.total(count, self._payload)
-        return torch.where(self._agreement().all(), total, torch.nan)
+        return torch.where(self._agreement().all(), self.total(count, self._payload), torch.nan)
 
     def normaliser(self, term: Term) -> torch.Tensor:
         """A term's ``W``: its count's total over every rank, or its constant, which waits for
@@ -150,15 +149,12 @@ class Reduction:
         it."""
         payload, layout = self.result(), self.layout
         limbs = payload[[layout.high[count], layout.low[count]]]
-        if count in terms.INTEGER:
-            total = limbs[0].to(torch.int64) * LIMB + limbs[1].to(torch.int64)
-        else:
-            total = torch.add(limbs[1], limbs[0], alpha=LIMB)
+        high, low = limbs.to(torch.int64) if count in terms.INTEGER else limbs  # exact: as total()
         known = limbs[0] == limbs[0]  # False where a failed check on a device made it NaN
         if count in layout.reported:
             gave, lacked = payload[layout.flags[count]], payload[layout.flags[count] + 1]
             known = known & (gave > 0) & (lacked == 0)
-        return torch.where(known, total, -1)
+        return torch.where(known, high * LIMB + low, -1)
 
     def loss(self, previous: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(each term's loss sum over every rank, whether any rank's was non-finite)."""
@@ -202,8 +198,7 @@ class Reduction:
             if not all(passed[i] and passed[_CODES + i] for i in where):
                 mean, square = values[where[0]] / ranks, values[_CODES + where[0]] / ranks
                 own = tuple(codes[i] for i in where)
-                described = ", ".join(map(str, layout.terms))
-                problems.append(_problem(field, mean, square, own, described))
+                problems.append(_problem(field, mean, square, own, layout))
         if problems and (ranks == 1 or values[:_CODES] == list(codes)):
             # One rank, or ranks that each got back their own codes: nothing was summed.
             self._error = error("not_summed", collective=self._collective, ranks=ranks)
@@ -229,7 +224,7 @@ def _host(
     ranks: int,
     counts: Mapping[str, int | float | torch.Tensor | None],
     flags: Mapping[str, tuple[bool, bool]],
-) -> list[float]:
+) -> array[float]:
     """The payload's numbers known on the host, then each checked slot's centre and radius.
     The sums of the codes must be ``R * c`` and ``R * c**2``; of the refusal slots, ``unscaled``
     at most 0 (a rank that scaled a loss adds ``-R``; one that scaled none, where its gradients
@@ -244,10 +239,10 @@ def _host(
         host[layout.flags[name]], host[layout.flags[name] + 1] = gave, lacked
         if (count := counts.get(name)) is not None and not isinstance(count, torch.Tensor):
             host[layout.high[name]], host[layout.low[name]] = divmod(count, LIMB)
-    return host
+    return array("d", host)  # torch.frombuffer() reads an array faster than a list is copied
 
 
-def _problem(field: str, mean: float, square: float, own: tuple[int, ...], described: str) -> str:
+def _problem(field: str, mean: float, square: float, own: tuple[int, ...], layout: Layout) -> str:
     if field == "step":
         return device_message("differ_step", own=own[0], mean=mean)
     if field == "call":
@@ -259,7 +254,7 @@ def _problem(field: str, mean: float, square: float, own: tuple[int, ...], descr
             problem += device_message("differ_mode")
         return problem
     if field == "terms":
-        return device_message("differ_terms", own=described)
+        return device_message("differ_terms", own=", ".join(map(str, layout.terms)))
     share = round(mean * 100)
     if field == "carried":
         return device_message("differ_carried", own="does" if own[0] else "does not", share=share)
@@ -272,17 +267,3 @@ def _problem(field: str, mean: float, square: float, own: tuple[int, ...], descr
         shown = "the W its last step reduced" if math.isnan(number) else f"{number:g}"
         return device_message("differ_estimate", own=shown)
     return device_message("differ_divisor", divisor=number)
-
-
-def _with_peers(
-    payload: torch.Tensor,
-    layout: Layout,
-    collective: Collective,
-    microbatches: Mapping[str, Sequence[object] | torch.Tensor | None],
-) -> tuple[torch.Tensor, MeshGroup | None]:
-    """``payload``, extended where the collective spans a mesh's tensor-parallel peers, whose
-    counts are checked to agree (:meth:`lossweight.parallel.MeshGroup.extend`)."""
-    mesh = collective.mesh if isinstance(collective, ProcessGroupCollective) else None
-    if mesh is None or not mesh.peers:
-        return payload, None
-    return mesh.extend(payload, layout, microbatches), mesh

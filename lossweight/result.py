@@ -37,7 +37,6 @@ class StepResult:
         self, step: int, counts: Reduction, loss: Reduction | PendingLoss, unrecorded: list[int]
     ) -> None:
         self.step, self._counts, self._loss, self._unrecorded = step, counts, loss, unrecorded
-        self._terms = counts.layout.terms
         self.grad_norm: torch.Tensor | None = None
 
     def __repr__(self) -> str:
@@ -66,10 +65,8 @@ class StepResult:
         a constant never is): its gradients are zero and its logged loss 0.
         ``optimizer.step()`` would still apply weight decay and momentum: docs/usage.md
         ("Empty data") says how to skip it."""
-        totals = [self._counts.normaliser(term) for term in self._terms]
-        return torch.stack(
-            [torch.as_tensor(t, device=self._counts.device) == 0 for t in totals]
-        ).all()
+        terms = self._counts.layout.terms  # a constant's normaliser is a tensor too
+        return torch.stack([self._counts.normaliser(term) == 0 for term in terms]).all()
 
     @property
     def loss(self) -> torch.Tensor:
@@ -87,7 +84,7 @@ class StepResult:
         sums = self._reduced_loss()[0]
         return {
             term.name: weighting.weighted_mean(loss_sum, self._counts.normaliser(term))
-            for loss_sum, term in zip(sums, self._terms, strict=True)
+            for loss_sum, term in zip(sums, self._counts.layout.terms, strict=True)
         }
 
     @property
@@ -100,10 +97,10 @@ class StepResult:
     def _reduced_loss(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._unrecorded:
             raise error("loss_not_recorded", step=self.step, missing=self._unrecorded)
-        source, previous = self._loss, isinstance(self._loss, PendingLoss)
-        reduction = source.reduction if isinstance(source, PendingLoss) else source
-        if reduction is None and isinstance(source, PendingLoss) and source.dropped:
+        if not isinstance(source := self._loss, PendingLoss):
+            return source.loss(False)  # the step's own reduction
+        if source.reduction is not None:
+            return source.reduction.loss(True)  # a later one, which carried it
+        if source.dropped:
             raise error("loss_dropped", step=self.step, why=source.dropped)
-        if reduction is None:
-            raise error("loss_pending", step=self.step)
-        return reduction.loss(previous)
+        raise error("loss_pending", step=self.step)

@@ -14,6 +14,7 @@ import struct
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from . import weighting
 from .errors import error
@@ -164,6 +165,12 @@ def positive(value: object) -> bool:
     return finite(value) and value > 0  # type: ignore[operator]
 
 
+def natural(value: object) -> int | None:
+    """``value`` as an int where it is an integer 0 or more (numpy's included, a bool not)."""
+    integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return int(value) if integral and value >= 0 else None  # type: ignore[operator,call-overload]
+
+
 def number_codes(value: float) -> tuple[int, ...]:
     """A float64's bits as four 16-bit agreement codes."""
     return struct.unpack("<4H", struct.pack("<d", value))
@@ -175,6 +182,10 @@ def number_of(codes: tuple[int, ...]) -> float:
 
 REDUCED = number_codes(math.nan)
 """The estimate's codes where it is the last step's reduced ``W``, the same on every rank."""
+
+
+_START, _SIZE = 2 * len(FIELDS) + 2, len(COUNTS)  # the first of the counts' slots; how many
+_SUMS = _START + 4 * _SIZE  # the first loss slot: a count takes two limbs and two flags
 
 
 @dataclass(frozen=True, eq=False)
@@ -191,30 +202,20 @@ class Layout:
 
     terms: tuple[Term, ...]
     reported: tuple[str, ...] = field(init=False)
-    unscaled: int = field(init=False)
-    refused: int = field(init=False)
-    counts: slice = field(init=False)
-    high: dict[str, int] = field(init=False)
-    low: dict[str, int] = field(init=False)
-    flags: dict[str, int] = field(init=False)
     losses: tuple[tuple[slice, slice], ...] = field(init=False)
-    checked: int = field(init=False)
-    length: int = field(init=False)
+    # The slots before the losses are the same for any terms.
+    unscaled: ClassVar[int] = _START - 2
+    refused: ClassVar[int] = _START - 1
+    high: ClassVar[dict[str, int]] = {count: _START + i for i, count in enumerate(COUNTS)}
+    low: ClassVar[dict[str, int]] = {count: _START + _SIZE + i for i, count in enumerate(COUNTS)}
+    flags: ClassVar[dict[str, int]] = {c: _START + 2 * _SIZE + 2 * i for i, c in enumerate(COUNTS)}
+    checked: ClassVar[int] = _START + _SIZE
+    counts: ClassVar[slice] = slice(_START, _SUMS)
+    length: ClassVar[int] = _SUMS + 4 * MOST_TERMS
 
     def __post_init__(self) -> None:
-        start, size, terms, used = 2 * len(FIELDS) + 2, len(COUNTS), MOST_TERMS, len(self.terms)
-        sums = (start + 4 * size, start + 4 * size + 2 * terms)  # this step's, an earlier one's
-        values = {
-            "reported": tuple(c for c in COUNTS if all(t.count != c for t in self.terms)),
-            "unscaled": start - 2,
-            "refused": start - 1,
-            "high": {count: start + i for i, count in enumerate(COUNTS)},
-            "low": {count: start + size + i for i, count in enumerate(COUNTS)},
-            "flags": {count: start + 2 * size + 2 * i for i, count in enumerate(COUNTS)},
-            "checked": start + size,
-            "counts": slice(start, start + 4 * size),
-            "losses": tuple((slice(s, s + used), slice(s + terms, s + terms + used)) for s in sums),
-            "length": start + 4 * size + 4 * terms,
-        }
-        for name, value in values.items():
-            object.__setattr__(self, name, value)
+        reported = tuple(c for c in COUNTS if all(t.count != c for t in self.terms))
+        object.__setattr__(self, "reported", reported)
+        sums, most, used = (_SUMS, _SUMS + 2 * MOST_TERMS), MOST_TERMS, len(self.terms)
+        losses = tuple((slice(s, s + used), slice(s + most, s + most + used)) for s in sums)
+        object.__setattr__(self, "losses", losses)

@@ -156,6 +156,22 @@ def test_a_numpy_integer_step_number_is_taken_as_an_int() -> None:
     assert type(acc.state_dict()["steps"]) is int
 
 
+@pytest.mark.parametrize("steps", [np.int64(3), np.uint8(3), True, -1, 3.0])
+def test_a_saved_step_count_is_a_natural_number_as_a_step_number_is(steps: object) -> None:
+    # load_state_dict() and begin(step=...) check a step by the one rule: an integer 0 or more
+    # (numpy's taken as an int), never a bool.
+    acc = Accumulator(loss_reduction="sum")
+    state = {**acc.state_dict(), "steps": steps}
+    if isinstance(steps, np.integer):
+        acc.load_state_dict(state)
+        assert acc.steps == 3 and type(acc.steps) is int
+        return
+    with pytest.raises(ValueError, match=r"^state_dict has steps="):
+        acc.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"^begin\(step="):
+        acc.begin(num_tokens=[1], step=steps)
+
+
 @pytest.mark.parametrize("terms", [None, [Term("lm", "sum"), Term("aux", "mean", "samples")]])
 def test_a_factor_changed_in_place_by_its_reader_leaves_the_gradient_alone(
     terms: list[Term] | None,
