@@ -210,9 +210,7 @@ class Accumulator:
         tensors = self._tensors
         assert isinstance(tensors, CountFirst)
         if index is None:  # the next microbatch of a compiled step, whose position is a tensor
-            index = int(tensors.cursor or 0)
-            if index >= tensors.size:
-                raise error("no_next", declared=tensors.size, step=self.state.steps)
+            index = tensors.at_cursor("no_next", self.state.steps)
         return tensors.factor(index)
 
     @_exclusive

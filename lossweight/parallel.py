@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import _torch
 from .errors import DisagreementError, add_messages, error
 
 # The rows of this module's errors, added to lossweight.errors.MESSAGES when it is imported.
@@ -119,7 +120,7 @@ class MeshGroup:
                     tensors.append((len(host), copied))
                 else:
                     host.append(c)  # type: ignore[arg-type]
-        numbers = torch.frombuffer(host, dtype=torch.float64).to(payload.device, non_blocking=True)
+        numbers = _torch.float64s(host, payload.device)
         rows, start = [payload[layout.counts]], 0
         for end, tensor in tensors:
             rows += [numbers[start:end], tensor.reshape(-1)]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from array import array
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -26,7 +25,6 @@ from .terms import ARGUMENTS, COUNTS, INTEGER, Layout, Term
 Count = int | float | torch.Tensor
 Counted = Mapping[str, Count | None]
 Counts = Mapping[str, list[int] | list[float] | torch.Tensor | None]
-_STALE = device_message("stale_gradients")
 
 
 class CountFirst:
@@ -45,15 +43,13 @@ class CountFirst:
         divisor: float,
     ) -> None:
         self._terms, self._divisor, self._declared = layout.terms, divisor, counts
-        given = [c for c in counts.values() if c is not None]
-        self.size = size = len(given[0])
+        self.size = size = len(next(c for c in counts.values() if c is not None))
         self.device = device = reduction_device(collective, counts)
         totals = {name: sum(c) if isinstance(c, list) else c for name, c in counts.items()}
         flags = {n: (counts[n] is not None, counts[n] is None and size > 0) for n in COUNTS}
         # traceable: scale_loss() uses the totals in every case, maybe in a compiled graph.
-        losses = {True: carried}
         self.reduction = Reduction(
-            collective, layout, codes, device, totals, flags, losses, True, counts
+            collective, layout, codes, device, totals, flags, {True: carried}, True, counts
         )
         self.closing: Reduction | None = None  # end()'s reduction of the loss, once made
         self.refusal: Exception | None = None  # what it carried to the peers
@@ -104,9 +100,7 @@ class CountFirst:
         losses must be those begin() declared for the microbatch."""
         cursor = self.cursor if index is None else None
         if index is None:
-            assert cursor is not None
-            if (index := int(cursor)) >= self.size:
-                raise error("too_many", number=index + 1, step=step, declared=self.size)
+            index = self.at_cursor("too_many", step)
         if given is not None:
             self._check(index, given, step)
         if cursor is not None:
@@ -125,6 +119,13 @@ class CountFirst:
                 loss = torch.where(positive[term][index], loss, 0.0)
             scaled.append(loss * factors[term][index])
         return sum(scaled[1:], scaled[0])
+
+    def at_cursor(self, code: str, step: int) -> int:
+        """Where a compiled step's cursor is (for an eager call in it, where dynamo fell back):
+        ``code``'s error when it is past the microbatches begin() declared."""
+        if (index := int(self.cursor or 0)) >= self.size:
+            raise error(code, number=index + 1, step=step, declared=self.size)
+        return index
 
     def _check(self, index: int, given: Counted, step: int) -> None:
         """Refuse a count that is not the one declared for microbatch ``index`` (a float
@@ -168,11 +169,10 @@ class CountFirst:
         if not self._losses or not known:
             fill = 0.0 if known else torch.nan
             return torch.full((len(self._terms),), fill, dtype=torch.float64, device=self.device)
-        device = self._losses[0].device
-        guard = self._host_positive is None or not all(self._host_positive)
-        weights = [w.to(device, non_blocking=True) for w in self._weights]
+        weights = [w.to(self._losses[0].device, non_blocking=True) for w in self._weights]
         losses = self._losses
-        if guard:  # an empty microbatch's NaN, left out
+        # An empty microbatch's NaN, left out.
+        if self._host_positive is None or not all(self._host_positive):
             losses = tuple(torch.where(w > 0, x, 0.0) for w, x in zip(weights, losses, strict=True))
         return _contributions(losses, weights, self._terms)
 
@@ -206,7 +206,7 @@ class ScaleAfter:
         loss: bool = True,
     ) -> None:
         # Gradients left from before the step would be rescaled with this step's.
-        _torch.check_zero_gradients(parameters, _STALE)
+        _torch.check_zero_gradients(parameters, device_message("stale_gradients"))
         self.backwards = _torch.Backwards(parameters)  # on this rank, scaled or not
         self.parameters, self._estimate, self._divisor = parameters, estimate, divisor
         self._loss = loss
@@ -397,29 +397,20 @@ def _shapes(tensors: list[torch.Tensor]) -> str:
 
 def _weights(rows: list[Any], device: torch.device) -> tuple[list[bool] | None, Rows]:
     """Each term's weights (numbers, or a 1-D tensor) as a float64 tensor on ``device``;
-    where all are numbers, also whether each microbatch's are positive. Numbers move through a
-    buffer (frombuffer refuses an empty one): faster than from a list."""
+    where all are numbers, also whether each microbatch's are positive."""
     if not all(isinstance(row, list) for row in rows):
         return None, tuple(
             torch.as_tensor(r).to(device, torch.float64, non_blocking=True) for r in rows
         )
     positive = [all(weights) for weights in zip(*rows, strict=True)]  # a weight is 0 or more
-    buffers = [
-        torch.frombuffer(array("d", row), dtype=torch.float64)
-        if row
-        else torch.zeros(0, dtype=torch.float64)
-        for row in rows
-    ]
-    return positive, tuple(buffer.to(device, non_blocking=True) for buffer in buffers)
+    return positive, tuple(_torch.float64s(row, device) for row in rows)
 
 
 def _guarded(loss: torch.Tensor, weight: Count) -> torch.Tensor:
     """``loss``, or where ``weight`` is 0, exactly nothing of it (not even a NaN of 0/0)."""
-    if isinstance(weight, (int, float)) and weight > 0:
-        return loss
-    if isinstance(weight, (int, float)):
-        return torch.where(torch.zeros_like(loss, dtype=torch.bool), loss, 0.0)
-    return torch.where(weight > 0, loss, 0.0)
+    if not isinstance(weight, (int, float)):
+        return torch.where(weight > 0, loss, 0.0)
+    return loss if weight > 0 else torch.where(torch.zeros_like(loss, dtype=torch.bool), loss, 0.0)
 
 
 def _contributions(

@@ -46,7 +46,9 @@ counted, so that a backward that skipped scale_loss() is refused, and 1,836 (sit
 FSDP2's DTensors counted on the first alone; then 1,798 (sittings 302 and 374) once the
 support of torch.compile moved to the optional ``compiled.py`` (68 code lines); then 1,768
 (sittings 292 and 363) with the payload's fixed slots constants of the layout, a result's
-loss source read in one place, and one check of a natural number for a step and a state.
+loss source read in one place, and one check of a natural number for a step and a state;
+then 1,757 (count-first sitting 286) with host numbers moved to a device by one helper, a
+compiled step's cursor read by one method, and variables used once inlined.
 ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
@@ -85,9 +87,9 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1768),
+    ("code lines", lambda s: s.code_lines, "<=", 1757),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
-    ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 292),
+    ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 286),
     ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 363),
     ("torch-free lines", lambda s: s.torch_free_lines, ">=", 350),
     ("longest class", lambda s: s.longest_class.lines, "<=", 250),
