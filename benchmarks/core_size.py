@@ -60,6 +60,7 @@ ACCUMULATOR_FILES = (
     "_torch.py",
     "payload.py",
     "collectives.py",
+    "ledger.py",
     "steps.py",
     "result.py",
     "accumulator.py",

@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _torch, machine, payload, terms
-from .collectives import Collective, CollectiveResolver, ProcessGroupCollective
+from . import _torch, machine, terms
+from .collectives import Collective, CollectiveResolver
 from .errors import device_message, error
-from .result import PendingLoss, StepResult
+from .ledger import Ledger
+from .result import StepResult
 from .steps import CountFirst, ScaleAfter, accelerator_of, not_into_another_step
-from .terms import ARGUMENTS, COUNTS, Layout, Options, Term, terms_of
+from .terms import ARGUMENTS, Layout, Options, Term, terms_of
 from .weighting import GradReduction, LossReduction
 
 WeightBy = Literal["samples", "tokens", "weight_sum"]
@@ -115,7 +116,7 @@ class Accumulator:
         self._resolver = CollectiveResolver(group, collective, pipeline)
         self._tensors: CountFirst | ScaleAfter | None = None
         self._collective: Collective | None = None
-        self._flight = _InFlight(self.options, self.layout)
+        self._ledger = Ledger(self.options, self.layout)
         self._busy = threading.Lock()
 
     @property
@@ -152,19 +153,19 @@ class Accumulator:
         state = machine.begin(self.state, self.options, lengths, parameters is not None, step, loss)
         params = [] if parameters is None else _parameter_list(parameters)
         collective = self._resolver.resolve()
-        divisor = self._flight.adopt(collective)
-        self._flight.settle()
+        divisor = self._ledger.adopt(collective)
+        self._ledger.settle()
         tensors: CountFirst | ScaleAfter
         if parameters is None:  # counts given: the machine opened a count-first step
             if not loss:  # every count given, so that no reported count looks lacking here
                 size = next(len(c) for c in counts.values() if c is not None)
                 counts = {name: [0] * size for name in counts}
-            codes = self._flight.codes(state.steps, terms.COUNT_FIRST_BEGIN)
-            carried = self._flight.carried
+            codes = self._ledger.codes(state.steps, terms.COUNT_FIRST_BEGIN)
+            carried = self._ledger.carried
             tensors = CountFirst(collective, self.layout, codes, counts, carried, divisor)
-            self._flight.add(tensors.reduction, estimates=True)
+            self._ledger.add(tensors.reduction, estimates=True)
         else:
-            tensors = ScaleAfter(params, self._flight.estimated(), divisor, self.layout, loss)
+            tensors = ScaleAfter(params, self._ledger.estimated(), divisor, self.layout, loss)
         self.state, self._tensors, self._collective = state, tensors, collective
         return StepContext(self, state.steps)
 
@@ -236,7 +237,7 @@ class Accumulator:
         step, tensors, collective = self.state.step, self._tensors, self._collective
         state, refusal = machine.end(self.state, _traced(tensors))
         assert step is not None and tensors is not None and collective is not None
-        result = self._flight.end(step, tensors, collective, refusal)
+        result = tensors.end(self._ledger, step, collective, refusal)
         self.state, self._tensors = state, None
         tensors.close(abandoned=False)
         if isinstance(tensors, ScaleAfter) and max_grad_norm is not None:
@@ -258,24 +259,24 @@ class Accumulator:
         step: one all-reduce when a loss may wait (on some rank), waited for and checked before
         it returns."""
         state, waits = machine.flush(self.state)
-        self._flight.settle(verdicts=True)  # the run may end here: wait for an accelerator's
+        self._ledger.settle(verdicts=True)  # the run may end here: wait for an accelerator's
         if waits:
             collective = self._resolver.resolve()
-            self._flight.adopt(collective)
-            self._flight.settle()
-            codes = self._flight.codes(state.steps, terms.FLUSH)
-            reduction = self._flight.reduce_loss(collective, codes, collective.device)
+            self._ledger.adopt(collective)
+            self._ledger.settle()
+            codes = self._ledger.codes(state.steps, terms.FLUSH)
+            reduction = self._ledger.reduce_loss(collective, codes, collective.device)
             self.state = state
             reduction.wait()  # once recorded: a wait that fails is retried, never re-reduced
-            self._flight.settle()  # checked here, on every rank: the run may end with it
-            self._flight.settle(verdicts=True)
+            self._ledger.settle()  # checked here, on every rank: the run may end with it
+            self._ledger.settle(verdicts=True)
         self.state = state
 
     def state_dict(self) -> dict[str, Any]:
         """The step counter, the estimate of ``W`` and the options, as plain values that load
         at any world size. Call :meth:`flush` first to log a waiting loss."""
         machine.idle(self.state, "state_dict")
-        estimate = self._flight.estimated()
+        estimate = self._ledger.estimated()
         estimate = estimate if isinstance(estimate, float) else estimate.item()
         estimate = estimate if math.isfinite(estimate) else self.options.weight_estimate
         state = {"format": _STATE_FORMAT, "steps": self.state.steps, "weight_estimate": estimate}
@@ -287,8 +288,8 @@ class Accumulator:
         machine.idle(self.state, "load_state_dict")
         steps, estimate = _checked_state(state_dict, self.options)
         self.state = machine.load(self.state, steps)
-        self._flight.drop("the step was replaced by load_state_dict() before its loss was reduced")
-        self._flight.assume(estimate)
+        self._ledger.drop("the step was replaced by load_state_dict() before its loss was reduced")
+        self._ledger.assume(estimate)
 
     def __getstate__(self) -> dict[str, Any]:
         if self._resolver.explicit:
@@ -300,149 +301,6 @@ class Accumulator:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state["options"])  # type: ignore[misc]
         self.load_state_dict(state["state"])
-
-
-class _InFlight:
-    """The reductions: their world (data-parallel ranks, ``D``, the options' codes), those not
-    yet checked, a count-first step's loss that waits (``loss_logging="next_step"``) for the
-    next one to carry it, and the ``W`` the next scale-after step assumes."""
-
-    def __init__(self, options: Options, layout: Layout) -> None:
-        self.options, self.layout, self.default = options, layout, float(options.weight_estimate)
-        self.world: tuple[int, float, tuple[int, ...]] = (0, 1.0, ())
-        self.unsettled: list[payload.Reduction] = []
-        self.pending: PendingLoss | None = None
-        self.estimate: float | torch.Tensor | payload.Reduction
-        self.assume(self.default)
-
-    def assume(self, estimate: float) -> None:
-        """Take an estimate given on the host, and its agreement codes."""
-        self.estimate, self.assumed = estimate, terms.number_codes(estimate)
-
-    def estimated(self) -> float | torch.Tensor:
-        """The ``E`` of the next scale-after step: the last reduction's ``W``, or the option's
-        where its check failed, with the same value and codes on every rank whether it knows
-        of the failure yet or not (on an accelerator the total is NaN until the host knows)."""
-        estimate = self.estimate
-        if isinstance(estimate, payload.Reduction):
-            total = estimate.agreed_total(self.options.weight_by)
-            self.estimate = torch.where(total.isnan(), self.default, total)
-        return self.estimate  # type: ignore[return-value]
-
-    def adopt(self, collective: Collective) -> float:
-        """``D`` for this world (its data-parallel ranks: a mesh's pipeline stages and
-        tensor-parallel peers are not), and its codes (made when the number of data-parallel
-        ranks changes). A loss that waits is reduced over the collective it was computed in,
-        or never."""
-        if self.pending is not None and self.pending.collective is not collective:
-            step = self.drop("the process group changed before the loss was reduced")
-            raise error("pending_elsewhere", step=step, ranks=collective.world_size)
-        mesh = collective.mesh if isinstance(collective, ProcessGroupCollective) else None
-        replicas = collective.world_size if mesh is None else mesh.replicas(collective.world_size)
-        if replicas != self.world[0]:
-            divisor = self.options.divisor(replicas)
-            self.world = (replicas, divisor, self.options.codes(divisor))
-        return self.world[1]
-
-    def codes(self, step: int, call: int) -> tuple[int, ...]:
-        """What the ranks agree on in a reduction: the step, the call, whether it carries a loss,
-        the options, and the estimate (a reduced one is the same on every rank; others may not)."""
-        estimate = self.assumed if isinstance(self.estimate, float) else terms.REDUCED
-        carried = self.pending is not None
-        return (step % 2**16, call, carried, *self.world[2], *estimate)
-
-    def end(
-        self,
-        step: machine.Step,
-        tensors: CountFirst | ScaleAfter,
-        collective: Collective,
-        refusal: Exception | None,
-    ) -> StepResult:
-        """What a step reports: scaling after, once its reduction has rescaled the gradients;
-        counting first, with its loss reduced now, or left to wait. What a count-first
-        end() refuses (``refusal``) it raises here, the step left open; where the step's loss
-        reduction has peers to tell, it carries the refusal first (once, however often end()
-        is called), and they raise on their next use of it (``peer_refused``)."""
-        if isinstance(tensors, ScaleAfter):
-            self.settle()
-            codes = self.codes(step.number, terms.SCALE_AFTER_END)
-            # It carries the loss that waits, and gives the next E (the option's where its
-            # check fails, on every rank alike), whether its check then passes or not.
-            started = functools.partial(self.add, estimates=True)
-            reduction = tensors.finish(collective, codes, step.given, self.carried, started)
-            return StepResult(step.number, reduction, reduction, [])
-        next_step = self.options.loss_logging == "next_step"
-        if refusal is not None and (collective.world_size == 1 or next_step):
-            raise refusal
-        # A compiled step takes every microbatch through scale_loss(): its reads take none.
-        unrecorded = step.unrecorded if step.factored and tensors.cursor is None else []
-        loss_sum = tensors.loss_sum(known=not unrecorded)
-        if next_step:
-            self.pending = PendingLoss(step.number, loss_sum, collective)
-            return StepResult(step.number, tensors.reduction, self.pending, unrecorded)
-        if tensors.closing is None:
-            self.settle()
-            codes = self.codes(step.number, terms.COUNT_FIRST_END)
-            tensors.closing = self.reduce_loss(collective, codes, tensors.device, loss_sum, refusal)
-            tensors.refusal = refusal  # told to the peers: raised again, even once mended
-        if tensors.refusal is not None:
-            raise tensors.refusal
-        return StepResult(step.number, tensors.reduction, tensors.closing, unrecorded)
-
-    def drop(self, why: str) -> int | None:
-        """Forget the loss that waits, which its result then explains with ``why``."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.dropped = why
-        return None if pending is None else pending.step
-
-    @property
-    def carried(self) -> torch.Tensor | None:
-        return None if self.pending is None else self.pending.loss_sum
-
-    def add(self, reduction: payload.Reduction, estimates: bool = False) -> None:
-        """A reduction started: it carries the loss that waited, and is checked later; one that
-        ``estimates`` (a count-first ``begin()``'s) holds the next ``E``, on every rank alike,
-        whether its step then ends, refuses or is abandoned."""
-        if self.pending is not None:
-            self.pending.reduction, self.pending = reduction, None
-        self.unsettled.append(reduction)
-        if estimates:
-            self.estimate = reduction
-
-    def reduce_loss(
-        self,
-        collective: Collective,
-        codes: tuple[int, ...],
-        device: torch.device,
-        own: torch.Tensor | None = None,
-        refusal: Exception | None = None,
-    ) -> payload.Reduction:
-        """A reduction of loss sums alone: a count-first step's own, or the one that waits;
-        one that carries this rank's ``refusal`` is not checked here, where it was raised."""
-        losses = {False: own, True: self.carried}
-        flags = {name: (False, False) for name in COUNTS}
-        reduction = payload.Reduction(
-            collective, self.layout, codes, device, {}, flags, losses, refusal=refusal
-        )
-        if refusal is None:
-            self.add(reduction)
-        return reduction
-
-    def settle(self, verdicts: bool = False) -> None:
-        """Check every reduction started so far before a new one starts, so that a disagreement
-        surfaces at the reduction that paired it (on an accelerator, at the first call after its
-        verdict reached the host). ``verdicts``: only the verdicts on their way, waited for."""
-        unsettled, self.unsettled = self.unsettled, []
-        for index, reduction in enumerate(unsettled):
-            try:
-                if not reduction.settled and (not verdicts or reduction.awaiting):
-                    reduction.settle(wait=verdicts)
-            except BaseException:
-                self.unsettled.extend(unsettled[index + 1 :])
-                raise
-            if not reduction.settled:
-                self.unsettled.append(reduction)
 
 
 class StepContext:

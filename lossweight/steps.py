@@ -1,4 +1,6 @@
-"""The tensors of an open step, one class per mode; every number comes from weighting.py.
+"""An open step, one class per mode: its tensors, its factors, and its ``end()``, which
+reduces and reports through the run's :class:`lossweight.ledger.Ledger`; every number comes
+from weighting.py.
 
 :class:`CountFirst` knows every count at ``begin()``: its reduction overlaps the first forward,
 and each factor is final. :class:`ScaleAfter` gets the counts with each loss, scales against an
@@ -11,15 +13,18 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-from . import _torch, weighting
+from . import _torch, terms, weighting
 from .collectives import Collective
 from .errors import device_message, error
+from .ledger import Ledger
+from .machine import Step
 from .payload import Reduction
+from .result import PendingLoss, StepResult
 from .terms import ARGUMENTS, COUNTS, INTEGER, Layout, Term
 
 Count = int | float | torch.Tensor
@@ -72,6 +77,31 @@ class CountFirst:
         """An ``abandoned`` step waits for its reduction, so that none is left in flight."""
         if abandoned:
             self.reduction.wait()
+
+    def end(
+        self, ledger: Ledger, step: Step, collective: Collective, refusal: Exception | None
+    ) -> StepResult:
+        """What the step reports, its loss reduced now or left to wait. What its end() refuses
+        (``refusal``) it raises here, the step left open; where the step's loss reduction has
+        peers to tell, it carries the refusal first (once, however often end() is called), and
+        they raise on their next use of it (``peer_refused``)."""
+        next_step = ledger.options.loss_logging == "next_step"
+        if refusal is not None and (collective.world_size == 1 or next_step):
+            raise refusal
+        # A compiled step takes every microbatch through scale_loss(): its reads take none.
+        unrecorded = step.unrecorded if step.factored and self.cursor is None else []
+        loss_sum = self.loss_sum(known=not unrecorded)
+        if next_step:
+            ledger.pending = PendingLoss(step.number, loss_sum, collective)
+            return StepResult(step.number, self.reduction, ledger.pending, unrecorded)
+        if self.closing is None:
+            ledger.settle()
+            codes = ledger.codes(step.number, terms.COUNT_FIRST_END)
+            self.closing = ledger.reduce_loss(collective, codes, self.device, loss_sum, refusal)
+            self.refusal = refusal  # told to the peers: raised again, even once mended
+        if self.refusal is not None:
+            raise self.refusal
+        return StepResult(step.number, self.reduction, self.closing, unrecorded)
 
     def factors(self) -> Rows:
         """Every term's factor for every microbatch (float64), made once; the first waits."""
@@ -274,35 +304,35 @@ class ScaleAfter:
         scaled = [g * (factor if m else shared) for g, m in zip(guards, means, strict=True)]
         return sum(scaled[1:], scaled[0])
 
-    def finish(
-        self,
-        collective: Collective,
-        codes: tuple[int, ...],
-        given: tuple[bool, ...] | None,
-        carried: torch.Tensor | None,
-        started: Callable[[Reduction], object],
-    ) -> Reduction:
-        """Reduce the step, then rescale its gradients: each once, even after a failure.
-        ``started`` is told of the reduction once it starts, before its check can fail."""
+    def end(
+        self, ledger: Ledger, step: Step, collective: Collective, refusal: Exception | None
+    ) -> StepResult:
+        """What the step reports once its reduction has rescaled its gradients: reduced, then
+        rescaled, each once, even after a failure. The reduction carries the loss that waits,
+        and gives the next E (the option's where its check fails, on every rank alike), whether
+        its check then passes or not. (A scale-after step's refusals travel in its reduction:
+        the machine's ``refusal`` is a count-first step's.)"""
         if self.reduction is None:
+            ledger.settle()
+            codes = ledger.codes(step.number, terms.SCALE_AFTER_END)
             self._groups = _torch.gradient_groups(self.parameters)
             totals = {name: self._sum(name) for name in COUNTS}
             device = reduction_device(collective, totals)
-            gave = dict(zip(COUNTS, given or (False,) * len(COUNTS), strict=True))
+            gave = dict(zip(COUNTS, step.given or (False,) * len(COUNTS), strict=True))
             flags = {n: (gave[n], not gave[n] and bool(self._losses)) for n in COUNTS}
-            losses = {False: self._loss_sum(device), True: carried}
-            unscaled, refusal = self._refusals(collective.world_size, codes[0])
+            losses = {False: self._loss_sum(device), True: ledger.carried}
+            unscaled, own = self._refusals(collective.world_size, codes[0])
             self.reduction = Reduction(
                 collective, self._layout, codes, device, totals, flags, losses, False,
-                self._counts, unscaled, refusal,
+                self._counts, unscaled, own,
             )  # fmt: skip
-            started(self.reduction)
+            ledger.add(self.reduction, estimates=True)
         if self.total is None:
             total = self.reduction.total(self._count)
             # Applied at the gradients' precision or better, never rounded to bf16 first.
             _torch.multiply(self._groups, weighting.gradient_correction(total, self._estimate))
             self.total = total
-        return self.reduction
+        return StepResult(step.number, self.reduction, self.reduction, [])
 
     def _refusals(self, ranks: int, step: int) -> tuple[float | torch.Tensor, Exception | None]:
         """What this rank adds to the reduction's refusal slots, so that every rank refuses
