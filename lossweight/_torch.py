@@ -22,7 +22,9 @@ Groups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
 
 try:  # torch.compile support, which a vendored copy may leave out (docs/vendoring.md)
     from . import compiled as compiled
-except ImportError:  # "cannot import name": no such file
+except ImportError as missing:
+    if missing.name != __package__:  # an import inside it that failed: not a file left out
+        raise
     compiled = None  # type: ignore[assignment]
 
 

@@ -143,7 +143,9 @@ class CollectiveResolver:
         if isinstance(group, DeviceMesh):
             try:  # optional: only for a mesh
                 from .parallel import MeshGroup
-            except ImportError:  # "cannot import name": no such file
+            except ImportError as missing:
+                if missing.name != f"{__package__}.parallel":  # not the file left out
+                    raise
                 raise error("not_copied", file="parallel.py", use="group= a DeviceMesh") from None
             self.mesh = MeshGroup(group, pipeline)
             self.stages = self.mesh.stages

@@ -153,7 +153,7 @@ class CountFirst:
     def at_cursor(self, code: str, step: int) -> int:
         """Where a compiled step's cursor is (for an eager call in it, where dynamo fell back):
         ``code``'s error when it is past the microbatches begin() declared."""
-        if (index := int(self.cursor or 0)) >= self.size:
+        if (index := 0 if self.cursor is None else int(self.cursor)) >= self.size:
             raise error(code, number=index + 1, step=step, declared=self.size)
         return index
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch._dynamo.testing
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import lossweight.compiled
 from lossweight import Accumulator
@@ -149,6 +151,38 @@ def test_a_step_may_mix_eager_and_compiled_microbatches() -> None:
     with pytest.raises(RuntimeError, match="end\\(\\) was called before every microbatch"):
         acc.end()
     acc.abandon()
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the reads of a tensor's value by the host (``.item()``, ``int(t)``, ``bool(t)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@needs_compiled_checks
+def test_an_eager_call_in_a_compiled_step_reads_its_position_once() -> None:
+    # Where dynamo falls back, the eager call reads the device's cursor: once (it read it
+    # twice, with a bool() of the tensor first), and backward_scale() alike.
+    acc = Accumulator(loss_reduction="sum")
+    microbatch, layer = compiled(acc)
+    features = torch.ones(2, 4)
+    acc.begin(num_tokens=[1, 2, 1])
+    microbatch(features)
+    loss = layer(features).sum()
+    with HostReads() as reads:
+        acc.backward_scale()
+    assert reads.reads == 1
+    with HostReads() as reads:
+        acc.scale_loss(loss)
+    assert reads.reads == 1
+    microbatch(features)
+    acc.end()
 
 
 @needs_compiled_checks

@@ -50,7 +50,9 @@ loss source read in one place, and one check of a natural number for a step and 
 then 1,757 (count-first sitting 286) with host numbers moved to a device by one helper, a
 compiled step's cursor read by one method, and variables used once inlined; then 1,755
 (sittings 285 and 359) with each mode's ``end()`` a method of its step, dispatched by the
-step's type rather than tested with isinstance, and a run's reductions in ``ledger.py``.
+step's type rather than tested with isinstance, and a run's reductions in ``ledger.py``; then
+1,759 with an import that fails inside ``compiled.py`` or ``parallel.py`` raised as it is, not
+taken for a file left out.
 ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
@@ -89,7 +91,7 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1755),
+    ("code lines", lambda s: s.code_lines, "<=", 1759),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
     ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 285),
     ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 359),

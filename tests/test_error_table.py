@@ -259,7 +259,8 @@ EXCEPTIONS = {
     for name, value in vars(builtins).items()
     if isinstance(value, type) and issubclass(value, BaseException)
 } | {"DisagreementError"}
-DEVICE_CHECKS = {"assert_true": 1, "untraced": 0, "check_zero_gradients": 1}  # the message's place
+# The message's place among the arguments of each call that checks on a device.
+DEVICE_CHECKS = {"assert_true": 1, "_assert_async": 1, "untraced": 0, "check_zero_gradients": 1}
 TABLE_CALLS = {"error", "device_message"}
 
 

@@ -127,6 +127,23 @@ def test_a_copy_without_the_compiled_file_refuses_a_compiled_scale_loss(tmp_path
     )
 
 
+def test_an_optional_file_whose_own_import_fails_raises_that_failure(tmp_path: Path) -> None:
+    # Only a file left out is refused as one: an import that fails inside compiled.py is the
+    # error it is, not "this copy leaves compiled.py out".
+    vendor(tmp_path, [*ACCUMULATOR_FILES, *COMPILED_FILES])
+    path = tmp_path / "mytrainer" / "_vendor" / "lw" / "compiled.py"
+    path.write_text(path.read_text() + "\nimport a_module_nobody_installed\n")
+    run_isolated(
+        tmp_path,
+        "try:\n"
+        "    from mytrainer._vendor.lw.accumulator import Accumulator\n"
+        "except ModuleNotFoundError as error:\n"
+        "    assert error.name == 'a_module_nobody_installed', error\n"
+        "else:\n"
+        "    raise AssertionError('a failing import inside compiled.py was hidden')\n",
+    )
+
+
 def test_a_copy_without_the_parallel_file_refuses_a_mesh(tmp_path: Path) -> None:
     vendor(tmp_path, list(ACCUMULATOR_FILES))
     run_isolated(
