@@ -32,6 +32,7 @@ Count = int | float | torch.Tensor
 Counts = torch.Tensor | Sequence[Count]
 Losses = torch.Tensor | Mapping[str, torch.Tensor]
 Factors = torch.Tensor | dict[str, torch.Tensor]
+Tensors = CountFirst | ScaleAfter | None  # the open step's, if any
 _STATE_FORMAT = 1
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -114,7 +115,7 @@ class Accumulator:
         self.layout = Layout(self.options.terms)
         self.state = machine.State(self.options.weight_by, loss_logging)
         self._resolver = CollectiveResolver(group, collective, pipeline)
-        self._tensors: CountFirst | ScaleAfter | None = None
+        self._tensors: Tensors = None
         self._collective: Collective | None = None
         self._ledger = Ledger(self.options, self.layout)
         self._busy = threading.Lock()
@@ -154,19 +155,17 @@ class Accumulator:
         params = [] if parameters is None else _parameter_list(parameters)
         collective = self._resolver.resolve()
         divisor = self._ledger.adopt(collective)
-        self._ledger.settle()
-        tensors: CountFirst | ScaleAfter
         if parameters is None:  # counts given: the machine opened a count-first step
             if not loss:  # every count given, so that no reported count looks lacking here
                 size = next(len(c) for c in counts.values() if c is not None)
                 counts = {name: [0] * size for name in counts}
             codes = self._ledger.codes(state.steps, terms.COUNT_FIRST_BEGIN)
             carried = self._ledger.carried
-            tensors = CountFirst(collective, self.layout, codes, counts, carried, divisor)
-            self._ledger.add(tensors.reduction, estimates=True)
+            self._tensors = CountFirst(collective, self.layout, codes, counts, carried, divisor)
+            self._ledger.add(self._tensors.reduction, estimates=True)
         else:
-            tensors = ScaleAfter(params, self._ledger.estimated(), divisor, self.layout, loss)
-        self.state, self._tensors, self._collective = state, tensors, collective
+            self._tensors = ScaleAfter(params, self._ledger.estimated(), divisor, self.layout, loss)
+        self.state, self._collective = state, collective
         return StepContext(self, state.steps)
 
     @_exclusive
@@ -208,11 +207,10 @@ class Accumulator:
         ``i``'s with ``backward_scale(i)``, for a loop that multiplies the loss itself (then
         :meth:`record_loss`); ``()``, the next one's."""
         self.state, index = machine.factor(self.state, microbatch, _traced(self._tensors))
-        tensors = self._tensors
-        assert isinstance(tensors, CountFirst)
+        assert isinstance(self._tensors, CountFirst)
         if index is None:  # the next microbatch of a compiled step, whose position is a tensor
-            index = tensors.at_cursor("no_next", self.state.steps)
-        return tensors.factor(index)
+            index = self._tensors.at_cursor("no_next", self.state.steps)
+        return self._tensors.factor(index)
 
     @_exclusive
     def record_loss(self, microbatch: int, loss: Losses) -> None:
@@ -263,21 +261,18 @@ class Accumulator:
         if waits:
             collective = self._resolver.resolve()
             self._ledger.adopt(collective)
-            self._ledger.settle()
             codes = self._ledger.codes(state.steps, terms.FLUSH)
             reduction = self._ledger.reduce_loss(collective, codes, collective.device)
             self.state = state
             reduction.wait()  # once recorded: a wait that fails is retried, never re-reduced
             self._ledger.settle()  # checked here, on every rank: the run may end with it
             self._ledger.settle(verdicts=True)
-        self.state = state
 
     def state_dict(self) -> dict[str, Any]:
         """The step counter, the estimate of ``W`` and the options, as plain values that load
         at any world size. Call :meth:`flush` first to log a waiting loss."""
         machine.idle(self.state, "state_dict")
-        estimate = self._ledger.estimated()
-        estimate = estimate if isinstance(estimate, float) else estimate.item()
+        estimate = float(self._ledger.estimated())
         estimate = estimate if math.isfinite(estimate) else self.options.weight_estimate
         state = {"format": _STATE_FORMAT, "steps": self.state.steps, "weight_estimate": estimate}
         return {**state, "options": _saved(self.options)}
@@ -404,7 +399,7 @@ def _counts(count: str, value: object, dim: int) -> Any:
     return _tensor_counts(name, stacked, 1)
 
 
-def _traced(tensors: CountFirst | ScaleAfter | None) -> bool:
+def _traced(tensors: Tensors) -> bool:
     """Whether the open step's scale_loss() runs compiled, counting on the device."""
     return tensors is not None and tensors.cursor is not None
 
@@ -432,16 +427,12 @@ def _shape_inference(losses: tuple[torch.Tensor, ...], pipelined: bool) -> torch
     pipeline, whose step would otherwise count a microbatch twice."""
     if "torch.distributed.pipelining" not in sys.modules or torch.compiler.is_compiling():
         return None
-    if not _torch.inferring_pipeline_shapes():
-        return None
-    if not pipelined:
+    if (inferring := _torch.inferring_pipeline_shapes()) and not pipelined:
         raise error("pipeline_unset")
-    return sum(losses[1:], losses[0])
+    return sum(losses[1:], losses[0]) if inferring else None
 
 
-def _check_max_grad_norm(
-    value: object, tensors: CountFirst | ScaleAfter | None, stages: int
-) -> None:
+def _check_max_grad_norm(value: object, tensors: Tensors, stages: int) -> None:
     """Before the step closes: a clip that would fail must leave the step open."""
     if not terms.finite(value) or not value > 0:  # type: ignore[operator]
         raise error("bad_max_grad_norm", value=value)

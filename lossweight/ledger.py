@@ -35,17 +35,16 @@ class Ledger:
         """The ``E`` of the next scale-after step: the last reduction's ``W``, or the option's
         where its check failed, with the same value and codes on every rank whether it knows
         of the failure yet or not (on an accelerator the total is NaN until the host knows)."""
-        estimate = self.estimate
-        if isinstance(estimate, payload.Reduction):
-            total = estimate.agreed_total(self.options.weight_by)
+        if isinstance(self.estimate, payload.Reduction):
+            total = self.estimate.agreed_total(self.options.weight_by)
             self.estimate = torch.where(total.isnan(), self.default, total)
-        return self.estimate  # type: ignore[return-value]
+        return self.estimate
 
     def adopt(self, collective: Collective) -> float:
         """``D`` for this world (its data-parallel ranks: a mesh's pipeline stages and
         tensor-parallel peers are not), and its codes (made when the number of data-parallel
-        ranks changes). A loss that waits is reduced over the collective it was computed in,
-        or never."""
+        ranks changes), once every reduction started so far is checked (:meth:`settle`). A loss
+        that waits is reduced over the collective it was computed in, or never."""
         if self.pending is not None and self.pending.collective is not collective:
             step = self.drop("the process group changed before the loss was reduced")
             raise error("pending_elsewhere", step=step, ranks=collective.world_size)
@@ -54,14 +53,14 @@ class Ledger:
         if replicas != self.world[0]:
             divisor = self.options.divisor(replicas)
             self.world = (replicas, divisor, self.options.codes(divisor))
+        self.settle()
         return self.world[1]
 
     def codes(self, step: int, call: int) -> tuple[int, ...]:
         """What the ranks agree on in a reduction: the step, the call, whether it carries a loss,
         the options, and the estimate (a reduced one is the same on every rank; others may not)."""
         estimate = self.assumed if isinstance(self.estimate, float) else terms.REDUCED
-        carried = self.pending is not None
-        return (step % 2**16, call, carried, *self.world[2], *estimate)
+        return (step % 2**16, call, self.pending is not None, *self.world[2], *estimate)
 
     def drop(self, why: str) -> int | None:
         """Forget the loss that waits, which its result then explains with ``why``."""

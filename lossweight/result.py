@@ -81,10 +81,9 @@ class StepResult:
     @property
     def losses(self) -> dict[str, torch.Tensor]:
         """Each term's weighted mean loss (float64), by name, available as :attr:`loss` is."""
-        sums = self._reduced_loss()[0]
         return {
-            term.name: weighting.weighted_mean(loss_sum, self._counts.normaliser(term))
-            for loss_sum, term in zip(sums, self._counts.layout.terms, strict=True)
+            term.name: weighting.weighted_mean(summed, self._counts.normaliser(term))
+            for summed, term in zip(self._reduced_loss()[0], self._counts.layout.terms, strict=True)
         }
 
     @property
