@@ -195,7 +195,7 @@ def unsharded_given(sharded: list[torch.Tensor], given: list[torch.Tensor]) -> l
 
 class Backwards:
     """How many backward passes have reached each of ``parameters`` that autograd accumulates
-    into (a leaf that requires grad) since this was made: a hook on each, until :meth:`close`
+    into (a leaf that requires grad) since this was made: a hook on each, until ``close()``
     (or this object's collection) removes them. On DTensors, the first one's alone: FSDP2 makes
     the copy of a gradient it offloads to the CPU blocking where the parameter has a hook."""
 
@@ -203,34 +203,20 @@ class Backwards:
         leaves = [p for p in parameters if p.is_leaf and p.requires_grad]
         leaves = leaves[:1] if any(hasattr(p, "to_local") for p in leaves) else leaves
         counted = self._counted = [0] * len(leaves)  # the hooks hold this list, not this object
-        hooks = [
-            leaf.register_post_accumulate_grad_hook(functools.partial(_count, counted, index))  # type: ignore[no-untyped-call]
-            for index, leaf in enumerate(leaves)
-        ]
-        self._remove = weakref.finalize(self, _remove, hooks)
+        hooks = contextlib.ExitStack()  # closing it removes each hook
+        for index, leaf in enumerate(leaves):
+            count = functools.partial(_count, counted, index)
+            hooks.enter_context(leaf.register_post_accumulate_grad_hook(count))  # type: ignore[no-untyped-call]
+        self.close = weakref.finalize(self, hooks.close)  # a call removes them, once
 
     @property
     def count(self) -> int:
         """The most backward passes that reached one of the parameters."""
         return max(self._counted, default=0)
 
-    def close(self) -> None:
-        self._remove()
-
 
 def _count(counted: list[int], index: int, _: torch.Tensor) -> None:
     counted[index] += 1
-
-
-def _remove(hooks: list[Any]) -> None:
-    for hook in hooks:
-        hook.remove()
-
-
-def check_zero_gradients(parameters: list[torch.Tensor], message: str) -> None:
-    """Fail with ``message``, on the device, if a gradient (a sparse one's values) is nonzero."""
-    if groups := gradient_groups(parameters):
-        assert_true(~nonzero_gradients(groups), message)
 
 
 def reaches(losses: Sequence[torch.Tensor], parameters: list[torch.Tensor]) -> bool:

@@ -11,7 +11,7 @@ from . import payload, terms
 from .collectives import Collective, ProcessGroupCollective
 from .errors import error
 from .result import PendingLoss
-from .terms import COUNTS, Layout, Options
+from .terms import Layout, Options
 
 
 class Ledger:
@@ -93,10 +93,8 @@ class Ledger:
     ) -> payload.Reduction:
         """A reduction of loss sums alone: a count-first step's own, or the one that waits;
         one that carries this rank's ``refusal`` is not checked here, where it was raised."""
-        losses = {False: own, True: self.carried}
-        flags = {name: (False, False) for name in COUNTS}
         reduction = payload.Reduction(
-            collective, self.layout, codes, device, {}, flags, losses, refusal=refusal
+            collective, self.layout, codes, device, {}, {}, (own, self.carried), refusal=refusal
         )
         if refusal is None:
             self.add(reduction)

@@ -29,16 +29,19 @@ if TYPE_CHECKING:
 LIMB = 2**31
 _CODES = len(FIELDS)
 CHECKED_ON_HOST = ("cpu",)  # device types whose checks read their verdict at once
+Counts = Mapping[str, Sequence[float] | torch.Tensor | None]
+Flags = Mapping[str, tuple[bool, bool]]
 
 
 class Reduction:
-    """One all-reduce of this rank's payload, made on ``device`` from each count's total (an
-    int or a float, an int64 or float tensor of the numbers to sum, or None for 0), whether
-    this rank gave and lacked each count (all of them), and the terms' loss sums, this step's
-    and an earlier one's (a 1-D tensor each, or None): started when made, waited on and
-    checked when first used. ``traceable``: the result is always used, maybe in a graph
-    torch.compile traces. A scale-after ``end()`` adds what it refuses, on every rank: its
-    ``unscaled`` slot, and ``refusal``, this rank's own error (see :func:`_host`)."""
+    """One all-reduce of this rank's payload, made on ``device`` from each count's numbers to
+    sum (a sequence of ints or floats, an int64 or float tensor, or None for 0), whether this
+    rank gave and lacked each count (a count left out: neither, and no total), and the terms'
+    loss sums, this step's and an earlier one's (a pair of 1-D tensors or None): started when
+    made, waited on and checked when first used. ``traceable``: the result is always used,
+    maybe in a graph torch.compile traces. A scale-after ``end()`` adds what it refuses, on
+    every rank: its ``unscaled`` slot, and ``refusal``, this rank's own error (see
+    :func:`_host`)."""
 
     _peers: MeshGroup | None
     _error: Exception | None = None
@@ -51,9 +54,9 @@ class Reduction:
         layout: Layout,
         codes: tuple[int, ...],
         device: torch.device,
-        counts: Mapping[str, int | float | torch.Tensor | None],
-        flags: Mapping[str, tuple[bool, bool]],
-        losses: Mapping[bool, torch.Tensor | None],
+        counts: Counts,
+        flags: Flags,
+        losses: tuple[torch.Tensor | None, torch.Tensor | None],
         traceable: bool = False,
         microbatches: Mapping[str, Sequence[object] | torch.Tensor | None] | None = None,
         unscaled: float | torch.Tensor = 0.0,
@@ -72,9 +75,8 @@ class Reduction:
                 high = count.floor_divide(LIMB) if count.is_floating_point() else count >> 31
                 summed = torch.stack((high, count - high * LIMB)).reshape(2, -1).sum(1)
                 payload[layout.high[name] : layout.low[name] + 1 : len(COUNTS)] = summed
-        for previous, loss in losses.items():
+        for (sums, nonfinite), loss in zip(layout.losses, losses, strict=True):
             if loss is not None:  # each term's sum, then whether it is NaN or infinite
-                sums, nonfinite = layout.losses[previous]
                 payload[sums].copy_(loss)  # copy_ moves a loss's device too
                 payload[nonfinite].copy_(loss - loss != 0)
         mesh = collective.mesh if isinstance(collective, ProcessGroupCollective) else None
@@ -219,11 +221,7 @@ class Reduction:
 
 
 def _host(
-    layout: Layout,
-    codes: tuple[int, ...],
-    ranks: int,
-    counts: Mapping[str, int | float | torch.Tensor | None],
-    flags: Mapping[str, tuple[bool, bool]],
+    layout: Layout, codes: tuple[int, ...], ranks: int, counts: Counts, flags: Flags
 ) -> array[float]:
     """The payload's numbers known on the host, then each checked slot's centre and radius.
     The sums of the codes must be ``R * c`` and ``R * c**2``; of the refusal slots, ``unscaled``
@@ -235,10 +233,10 @@ def _host(
     centre = [ranks * code for code in agreement] + [-(ranks**2) / 2, 0.0] + limbs
     radius = [0.0] * len(agreement) + [ranks**2 / 2, 0.0] + limbs
     host = [*agreement, *[0.0] * (layout.length - len(agreement)), *centre, *radius]
-    for name, (gave, lacked) in flags.items():  # every count has its flags
+    for name, (gave, lacked) in flags.items():  # a count with a total has its flags
         host[layout.flags[name]], host[layout.flags[name] + 1] = gave, lacked
         if (count := counts.get(name)) is not None and not isinstance(count, torch.Tensor):
-            host[layout.high[name]], host[layout.low[name]] = divmod(count, LIMB)
+            host[layout.high[name]], host[layout.low[name]] = divmod(sum(count), LIMB)
     return array("d", host)  # torch.frombuffer() reads an array faster than a list is copied
 
 

@@ -23,13 +23,12 @@ from .collectives import Collective
 from .errors import device_message, error
 from .ledger import Ledger
 from .machine import Step
-from .payload import Reduction
+from .payload import Counts, Reduction
 from .result import PendingLoss, StepResult
 from .terms import ARGUMENTS, COUNTS, INTEGER, Layout, Term
 
 Count = int | float | torch.Tensor
 Counted = Mapping[str, Count | None]
-Counts = Mapping[str, list[int] | list[float] | torch.Tensor | None]
 
 
 class CountFirst:
@@ -37,6 +36,9 @@ class CountFirst:
     1-D tensor (an int64 copy, or a float one at its precision), or None. Its losses come one
     per term, in order; each term's weights, factors and losses are a 1-D tensor of their own
     (a "row")."""
+
+    closing: Reduction | None = None  # end()'s reduction of the loss, once made
+    refusal: Exception | None = None  # what it carried to the peers
 
     def __init__(
         self,
@@ -50,14 +52,11 @@ class CountFirst:
         self._terms, self._divisor, self._declared = layout.terms, divisor, counts
         self.size = size = len(next(c for c in counts.values() if c is not None))
         self.device = device = reduction_device(collective, counts)
-        totals = {name: sum(c) if isinstance(c, list) else c for name, c in counts.items()}
         flags = {n: (counts[n] is not None, counts[n] is None and size > 0) for n in COUNTS}
         # traceable: scale_loss() uses the totals in every case, maybe in a compiled graph.
         self.reduction = Reduction(
-            collective, layout, codes, device, totals, flags, {True: carried}, True, counts
+            collective, layout, codes, device, counts, flags, (None, carried), True, counts
         )
-        self.closing: Reduction | None = None  # end()'s reduction of the loss, once made
-        self.refusal: Exception | None = None  # what it carried to the peers
         # Each term's weight per microbatch (a constant's term: 1), and where all are numbers,
         # whether each microbatch's are positive, known on the host at no cost.
         rows: list[Any] = [counts[t.count] if t.count else [1] * size for t in self._terms]
@@ -226,6 +225,8 @@ class ScaleAfter:
     its gradients from the last one's scaled losses, and rescales them all the same."""
 
     cursor = None  # its scale_loss() runs eagerly
+    reduction: Reduction | None = None
+    total: torch.Tensor | None = None  # W, once end() has reduced and rescaled
 
     def __init__(
         self,
@@ -235,8 +236,10 @@ class ScaleAfter:
         layout: Layout,
         loss: bool = True,
     ) -> None:
-        # Gradients left from before the step would be rescaled with this step's.
-        _torch.check_zero_gradients(parameters, device_message("stale_gradients"))
+        # Gradients left from before the step would be rescaled with this step's: refused on
+        # the device where one (a sparse one's values) is nonzero.
+        if groups := _torch.gradient_groups(parameters):
+            _torch.assert_true(~_torch.nonzero_gradients(groups), device_message("stale_gradients"))
         self.backwards = _torch.Backwards(parameters)  # on this rank, scaled or not
         self.parameters, self._estimate, self._divisor = parameters, estimate, divisor
         self._loss = loss
@@ -249,8 +252,6 @@ class ScaleAfter:
         self._counts: dict[str, list[Count]] = {name: [] for name in COUNTS}
         self._weights: list[Count] = []
         self._losses: list[tuple[torch.Tensor, ...]] = []  # per microbatch, one per term
-        self.reduction: Reduction | None = None
-        self.total: torch.Tensor | None = None  # W, once end() has reduced and rescaled
         self._given = frozenset(map(id, parameters))
         # Parameters a loss reaches, not given, by id: each with its gradient, and that
         # gradient's version, when the first loss that reached it was scaled.
@@ -320,7 +321,8 @@ class ScaleAfter:
             device = reduction_device(collective, totals)
             gave = dict(zip(COUNTS, step.given or (False,) * len(COUNTS), strict=True))
             flags = {n: (gave[n], not gave[n] and bool(self._losses)) for n in COUNTS}
-            losses = {False: self._loss_sum(device), True: ledger.carried}
+            # No loss scaled: the payload's own zeros.
+            losses = (self._loss_sum() if self._losses else None, ledger.carried)
             unscaled, own = self._refusals(collective.world_size, codes[0])
             self.reduction = Reduction(
                 collective, self._layout, codes, device, totals, flags, losses, False,
@@ -363,20 +365,18 @@ class ScaleAfter:
         own = ranks * ranks + 1 if self.backwards.count else 1
         return _torch.nonzero_gradients(self._groups) * own, None
 
-    def _sum(self, name: str) -> int | float | torch.Tensor:
-        """A count's total, or where a microbatch gave a tensor, the counts to sum."""
+    def _sum(self, name: str) -> list[int | float] | torch.Tensor:
+        """A count's numbers to sum, or where a microbatch gave a tensor, its counts to sum."""
         tensors = [count for count in self._counts[name] if isinstance(count, torch.Tensor)]
-        host = sum(count for count in self._counts[name] if not isinstance(count, torch.Tensor))
+        host = [count for count in self._counts[name] if not isinstance(count, torch.Tensor)]
         if not tensors:
             return host
         device = accelerator_of(ARGUMENTS[name], (t.device for t in tensors))
         held = torch.float64 if tensors[0].is_floating_point() else torch.int64  # as on the host
-        tensors = [*tensors, torch.tensor(host, dtype=held)] if host else tensors
+        tensors = [*tensors, torch.tensor(total, dtype=held)] if (total := sum(host)) else tensors
         return torch.stack([t.to(device, non_blocking=True) for t in tensors])
 
-    def _loss_sum(self, device: torch.device) -> torch.Tensor:
-        if not self._losses:
-            return torch.zeros(len(self._terms), dtype=torch.float64, device=device)
+    def _loss_sum(self) -> torch.Tensor:
         losses = torch.stack([torch.stack(term) for term in zip(*self._losses, strict=True)])
         weights = torch.stack(
             [torch.as_tensor(w, device=losses.device).to(torch.float64) for w in self._weights]
