@@ -203,11 +203,11 @@ class Backwards:
         leaves = [p for p in parameters if p.is_leaf and p.requires_grad]
         leaves = leaves[:1] if any(hasattr(p, "to_local") for p in leaves) else leaves
         counted = self._counted = [0] * len(leaves)  # the hooks hold this list, not this object
-        hooks = contextlib.ExitStack()  # closing it removes each hook
-        for index, leaf in enumerate(leaves):
-            count = functools.partial(_count, counted, index)
-            hooks.enter_context(leaf.register_post_accumulate_grad_hook(count))  # type: ignore[no-untyped-call]
-        self.close = weakref.finalize(self, hooks.close)  # a call removes them, once
+        hooks = [
+            leaf.register_post_accumulate_grad_hook(functools.partial(_count, counted, index))  # type: ignore[no-untyped-call]
+            for index, leaf in enumerate(leaves)
+        ]
+        self.close = weakref.finalize(self, _remove, hooks)  # a call removes them, once
 
     @property
     def count(self) -> int:
@@ -217,6 +217,11 @@ class Backwards:
 
 def _count(counted: list[int], index: int, _: torch.Tensor) -> None:
     counted[index] += 1
+
+
+def _remove(hooks: list[Any]) -> None:
+    for hook in hooks:
+        hook.remove()
 
 
 def reaches(losses: Sequence[torch.Tensor], parameters: list[torch.Tensor]) -> bool:

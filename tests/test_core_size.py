@@ -54,8 +54,8 @@ step's type rather than tested with isinstance, and a run's reductions in ``ledg
 1,759 with an import that fails inside ``compiled.py`` or ``parallel.py`` raised as it is, not
 taken for a file left out; then 1,748 (sittings 283 and 356) with the ledger checking what
 it reduced when it adopts a step's world, and variables and assignments used once dropped;
-then 1,732 (sittings 277 and 349) with a count's numbers summed where the payload is made, a
-reduction's two loss sums passed as a pair, and a step's hooks removed by one exit stack.
+then 1,735 (sittings 277 and 350) with a count's numbers summed where the payload is made and
+a reduction's two loss sums passed as a pair.
 ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
@@ -94,10 +94,10 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1732),
+    ("code lines", lambda s: s.code_lines, "<=", 1735),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
     ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 277),
-    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 349),
+    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 350),
     ("torch-free lines", lambda s: s.torch_free_lines, ">=", 350),
     ("longest class", lambda s: s.longest_class.lines, "<=", 250),
     ("longest function", lambda s: s.longest_function.lines, "<=", 40),
