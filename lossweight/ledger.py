@@ -69,6 +69,11 @@ class Ledger:
             pending.dropped = why
         return None if pending is None else pending.step
 
+    def hold(self, step: int, loss_sum: torch.Tensor, collective: Collective) -> PendingLoss:
+        """Keep a count-first step's loss sum for the next reduction to carry."""
+        self.pending = PendingLoss(step, loss_sum, collective)
+        return self.pending
+
     @property
     def carried(self) -> torch.Tensor | None:
         return None if self.pending is None else self.pending.loss_sum

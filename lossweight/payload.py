@@ -12,7 +12,6 @@ once on the CPU, as an assert in a compiled graph, and without a host sync on an
 from __future__ import annotations
 
 import math
-from array import array
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -65,7 +64,7 @@ class Reduction:
         host = _host(layout, codes, collective.world_size, counts, flags)
         host[layout.refused] = refusal is not None
         host[layout.unscaled] = 0.0 if isinstance(unscaled, torch.Tensor) else unscaled
-        values = torch.frombuffer(host, dtype=torch.float64).to(device, non_blocking=True)
+        values = _torch.float64s(host, device)
         payload, self._bounds = values[: layout.length], values[layout.length :].view(2, -1)
         if isinstance(unscaled, torch.Tensor):
             payload[layout.unscaled].copy_(unscaled)
@@ -222,7 +221,7 @@ class Reduction:
 
 def _host(
     layout: Layout, codes: tuple[int, ...], ranks: int, counts: Counts, flags: Flags
-) -> array[float]:
+) -> list[float]:
     """The payload's numbers known on the host, then each checked slot's centre and radius.
     The sums of the codes must be ``R * c`` and ``R * c**2``; of the refusal slots, ``unscaled``
     at most 0 (a rank that scaled a loss adds ``-R``; one that scaled none, where its gradients
@@ -237,7 +236,7 @@ def _host(
         host[layout.flags[name]], host[layout.flags[name] + 1] = gave, lacked
         if (count := counts.get(name)) is not None and not isinstance(count, torch.Tensor):
             host[layout.high[name]], host[layout.low[name]] = divmod(sum(count), LIMB)
-    return array("d", host)  # torch.frombuffer() reads an array faster than a list is copied
+    return host
 
 
 def _problem(field: str, mean: float, square: float, own: tuple[int, ...], layout: Layout) -> str:

@@ -24,7 +24,7 @@ from .errors import device_message, error
 from .ledger import Ledger
 from .machine import Step
 from .payload import Counts, Reduction
-from .result import PendingLoss, StepResult
+from .result import StepResult
 from .terms import ARGUMENTS, COUNTS, INTEGER, Layout, Term
 
 Count = int | float | torch.Tensor
@@ -91,8 +91,8 @@ class CountFirst:
         unrecorded = step.unrecorded if step.factored and self.cursor is None else []
         loss_sum = self.loss_sum(known=not unrecorded)
         if next_step:
-            ledger.pending = PendingLoss(step.number, loss_sum, collective)
-            return StepResult(step.number, self.reduction, ledger.pending, unrecorded)
+            pending = ledger.hold(step.number, loss_sum, collective)
+            return StepResult(step.number, self.reduction, pending, unrecorded)
         if self.closing is None:
             ledger.settle()
             codes = ledger.codes(step.number, terms.COUNT_FIRST_END)

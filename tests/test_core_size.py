@@ -55,7 +55,9 @@ step's type rather than tested with isinstance, and a run's reductions in ``ledg
 taken for a file left out; then 1,748 (sittings 283 and 356) with the ledger checking what
 it reduced when it adopts a step's world, and variables and assignments used once dropped;
 then 1,735 (sittings 277 and 350) with a count's numbers summed where the payload is made and
-a reduction's two loss sums passed as a pair.
+a reduction's two loss sums passed as a pair; then 1,737 (scale-after sitting 352) with the
+payload's host numbers moved by the one helper every other host copy uses, and a waiting loss
+kept by the ledger's own method rather than written into it by a step.
 ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
@@ -94,10 +96,10 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1735),
+    ("code lines", lambda s: s.code_lines, "<=", 1737),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
     ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 277),
-    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 350),
+    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 352),
     ("torch-free lines", lambda s: s.torch_free_lines, ">=", 350),
     ("longest class", lambda s: s.longest_class.lines, "<=", 250),
     ("longest function", lambda s: s.longest_function.lines, "<=", 40),

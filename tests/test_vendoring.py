@@ -100,6 +100,15 @@ COMPILED_STEP = (
 )
 
 
+def raising(statement: str, kind: str, check: str, then: str = "") -> str:
+    """Code that runs ``statement``, requires it to raise ``kind`` for which ``check`` (an
+    expression of ``error``) holds, then runs ``then``."""
+    return (
+        f"try:\n    {statement}\nexcept {kind} as error:\n    assert {check}, error\n{then}"
+        f"else:\n    raise AssertionError({statement!r} + ' raised nothing')\n"
+    )
+
+
 def test_the_compiled_file_added_compiles_scale_loss_under_another_name(tmp_path: Path) -> None:
     vendor(tmp_path, [*ACCUMULATOR_FILES, *COMPILED_FILES])
     run_isolated(
@@ -115,15 +124,15 @@ def test_a_copy_without_the_compiled_file_refuses_a_compiled_scale_loss(tmp_path
     vendor(tmp_path, list(ACCUMULATOR_FILES))
     run_isolated(
         tmp_path,
-        COMPILED_STEP + "try:\n"
-        "    step(torch.compile(microbatch, fullgraph=True, backend='eager'))\n"
-        "except Exception as error:\n"
-        "    assert 'needs lossweight\\'s compiled.py, which this copy of lossweight leaves out'"
-        " in str(error), error\n"
-        "    acc.abandon()\n"
-        "else:\n"
-        "    raise AssertionError('compiled without compiled.py')\n"
-        "step(torch.compile(microbatch, backend='eager'))\n",
+        COMPILED_STEP
+        + raising(
+            "step(torch.compile(microbatch, fullgraph=True, backend='eager'))",
+            "Exception",
+            "'needs lossweight\\'s compiled.py, which this copy of lossweight leaves out' in "
+            "str(error)",
+            then="    acc.abandon()\n",
+        )
+        + "step(torch.compile(microbatch, backend='eager'))\n",
     )
 
 
@@ -135,12 +144,11 @@ def test_an_optional_file_whose_own_import_fails_raises_that_failure(tmp_path: P
     path.write_text(path.read_text() + "\nimport a_module_nobody_installed\n")
     run_isolated(
         tmp_path,
-        "try:\n"
-        "    from mytrainer._vendor.lw.accumulator import Accumulator\n"
-        "except ModuleNotFoundError as error:\n"
-        "    assert error.name == 'a_module_nobody_installed', error\n"
-        "else:\n"
-        "    raise AssertionError('a failing import inside compiled.py was hidden')\n",
+        raising(
+            "from mytrainer._vendor.lw.accumulator import Accumulator",
+            "ModuleNotFoundError",
+            "error.name == 'a_module_nobody_installed'",
+        ),
     )
 
 
@@ -148,13 +156,13 @@ def test_a_copy_without_the_parallel_file_refuses_a_mesh(tmp_path: Path) -> None
     vendor(tmp_path, list(ACCUMULATOR_FILES))
     run_isolated(
         tmp_path,
-        one_rank_mesh(tmp_path) + "try:\n"
-        "    Accumulator(loss_reduction='sum', group=mesh['dp'])\n"
-        "except RuntimeError as error:\n"
-        "    assert 'group= a DeviceMesh needs lossweight\\'s parallel.py' in str(error), error\n"
-        "else:\n"
-        "    raise AssertionError('a mesh without parallel.py')\n"
-        "dist.destroy_process_group()\n",
+        one_rank_mesh(tmp_path)
+        + raising(
+            "Accumulator(loss_reduction='sum', group=mesh['dp'])",
+            "RuntimeError",
+            "'group= a DeviceMesh needs lossweight\\'s parallel.py' in str(error)",
+        )
+        + "dist.destroy_process_group()\n",
     )
 
 
