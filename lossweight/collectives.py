@@ -6,6 +6,7 @@ else: another framework's communicator, or ranks simulated in one process (as
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -16,7 +17,7 @@ from . import _torch
 from .errors import error
 
 if TYPE_CHECKING:
-    from .parallel import MeshGroup
+    from .terms import Layout
 
 
 @runtime_checkable
@@ -53,6 +54,41 @@ class Collective(Protocol):
     def all_reduce_sum(self, tensor: torch.Tensor) -> Waitable | None: ...
 
 
+Microbatches = Mapping[str, Sequence[object] | torch.Tensor | None]  # each count's, in order
+
+
+class ParallelLayout(Protocol):
+    """What a process group's reduction spans beyond the ranks of different data, and how those
+    ranks are checked: :mod:`lossweight.parallel` implements it for a ``DeviceMesh``. The core
+    asks it for nothing else, so that a vendored copy of plain data parallelism leaves it out.
+
+    - ``stages``: how many pipeline stages the ranks are split into, and whether this rank
+      holds the last, which computes the loss;
+    - ``group()``: the process group to reduce over, made when a step begins;
+    - ``replicas(world_size)``: the ranks of different data among the reduction's, ``D``'s world;
+    - ``extend()`` appends this rank's slots of the check to a payload before it is reduced,
+      ``agreement()`` says from the summed slots which checks pass (a bool each; none: empty),
+      ``messages()`` gives their words for a compiled assert, and ``refusal()`` the error of
+      those that fail, from every check of the payload (the layout's are the last).
+    """
+
+    stages: tuple[int, bool]
+
+    def group(self) -> dist.ProcessGroup: ...
+
+    def replicas(self, world_size: int) -> int: ...
+
+    def extend(
+        self, payload: torch.Tensor, layout: Layout, microbatches: Microbatches
+    ) -> torch.Tensor: ...
+
+    def agreement(self, summed: torch.Tensor) -> torch.Tensor: ...
+
+    def messages(self) -> list[str]: ...
+
+    def refusal(self, passed: Sequence[bool]) -> Exception: ...
+
+
 class SingleProcess:
     """The collective of a run without data parallelism: one rank, nothing to reduce."""
 
@@ -77,16 +113,16 @@ class ProcessGroupCollective:
     """Reduces over a ``torch.distributed`` process group (None: the default group), with
     ``all_reduce(async_op=True)``, or, for a reduction that is always waited on (a count-first
     ``begin()``'s), with the functional all-reduce that torch.compile traces. A group of several
-    backends (``"cpu:gloo,cuda:nccl"``) reduces on each of their devices. ``mesh``: the
-    :class:`lossweight.parallel.MeshGroup` the group spans, if any."""
+    backends (``"cpu:gloo,cuda:nccl"``) reduces on each of their devices. ``parallel``: the
+    :class:`ParallelLayout` the group spans, if any."""
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, mesh: MeshGroup | None = None
+        self, group: dist.ProcessGroup | None = None, parallel: ParallelLayout | None = None
     ) -> None:
         # Held weakly: a process group that outlives destroy_process_group() is torn down at
         # interpreter exit, where gloo may abort the process.
         self._group = None if group is None else weakref.ref(group)
-        self.world_size, self.mesh = dist.get_world_size(group), mesh
+        self.world_size, self.parallel = dist.get_world_size(group), parallel
         named = group if group is not None else dist.group.WORLD
         assert named is not None  # get_world_size() found the default group
         self._group_name, backend = named.group_name, str(dist.get_backend(group))
@@ -138,7 +174,7 @@ class CollectiveResolver:
     ) -> None:
         if collective is not None and group is not None:
             raise error("group_and_collective", group=group, collective=collective)
-        self.mesh: MeshGroup | None = None
+        self.parallel: ParallelLayout | None = None
         self.stages, self.pipelined = (1, True), pipeline is not None
         if isinstance(group, DeviceMesh):
             try:  # optional: only for a mesh
@@ -147,8 +183,8 @@ class CollectiveResolver:
                 if missing.name != f"{__package__}.parallel":  # not the file left out
                     raise
                 raise error("not_copied", file="parallel.py", use="group= a DeviceMesh") from None
-            self.mesh = MeshGroup(group, pipeline)
-            self.stages = self.mesh.stages
+            self.parallel = MeshGroup(group, pipeline)
+            self.stages = self.parallel.stages
         elif pipeline is not None:
             raise error("pipeline_dimension", value=pipeline, group=group, names=())
         if isinstance(collective, type):
@@ -174,15 +210,20 @@ class CollectiveResolver:
             return _SINGLE_PROCESS
         key = self._group if self._group is not None else dist.group.WORLD
         if self._cached is None or self._cached[0]() is not key:
-            group = self.mesh.group() if self.mesh is not None else self._group
+            group = self.parallel.group() if self.parallel is not None else self._group
             assert not isinstance(group, DeviceMesh)  # a mesh's group is made above
-            self._cached = (weakref.ref(key), ProcessGroupCollective(group, self.mesh))
+            self._cached = (weakref.ref(key), ProcessGroupCollective(group, self.parallel))
         if (group := self._cached[1].group) is not None:
             try:  # get_backend() raises for a group torch no longer knows
                 dist.get_backend(group)
             except (ValueError, TypeError):  # TypeError: torch 2.6
                 raise error("group_destroyed", group=self._group) from None
         return self._cached[1]
+
+
+def parallel_layout(collective: Collective) -> ParallelLayout | None:
+    """The parallel layout that ``collective`` reduces over, if any."""
+    return collective.parallel if isinstance(collective, ProcessGroupCollective) else None
 
 
 def start_all_reduce(

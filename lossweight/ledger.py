@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import payload, terms
-from .collectives import Collective, ProcessGroupCollective
+from .collectives import Collective, parallel_layout
 from .errors import error
 from .result import PendingLoss
 from .terms import Layout, Options
@@ -41,15 +41,15 @@ class Ledger:
         return self.estimate
 
     def adopt(self, collective: Collective) -> float:
-        """``D`` for this world (its data-parallel ranks: a mesh's pipeline stages and
-        tensor-parallel peers are not), and its codes (made when the number of data-parallel
-        ranks changes), once every reduction started so far is checked (:meth:`settle`). A loss
-        that waits is reduced over the collective it was computed in, or never."""
+        """``D`` for this world (its ranks of different data: a parallel layout's pipeline
+        stages and tensor-parallel peers are not), and its codes (made when that number
+        changes), once every reduction started so far is checked (:meth:`settle`). A loss that
+        waits is reduced over the collective it was computed in, or never."""
         if self.pending is not None and self.pending.collective is not collective:
             step = self.drop("the process group changed before the loss was reduced")
             raise error("pending_elsewhere", step=step, ranks=collective.world_size)
-        mesh = collective.mesh if isinstance(collective, ProcessGroupCollective) else None
-        replicas = collective.world_size if mesh is None else mesh.replicas(collective.world_size)
+        parallel, replicas = parallel_layout(collective), collective.world_size
+        replicas = replicas if parallel is None else parallel.replicas(replicas)
         if replicas != self.world[0]:
             divisor = self.options.divisor(replicas)
             self.world = (replicas, divisor, self.options.codes(divisor))

@@ -1,4 +1,5 @@
-"""Parallel layouts beyond plain data parallelism, behind the core's process-group collective.
+"""Parallel layouts beyond plain data parallelism: the core's
+:class:`lossweight.collectives.ParallelLayout` for a ``DeviceMesh``.
 
 A ``DeviceMesh`` as the group: its data-parallel (and context-parallel) dimensions flattened
 into one process group, the ranks of its root's tensor-parallel dimensions joined to that
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +35,7 @@ _MESSAGES: dict[str, tuple[type[Exception], str]] = {
 add_messages(_MESSAGES)
 
 if TYPE_CHECKING:
+    from .collectives import Microbatches
     from .terms import Layout
 
 # Names of mesh dimensions whose ranks hold the same data: tensor, expert-tensor and pipeline
@@ -43,7 +45,8 @@ _MODEL_PARALLEL = {"tp", "etp", "pp"}
 
 
 class MeshGroup:
-    """The ranks of ``mesh`` as the step's one reduction, checked when the Accumulator is made.
+    """The ranks of ``mesh`` as the step's one reduction, checked when the Accumulator is made:
+    a :class:`lossweight.collectives.ParallelLayout`.
 
     ``stages``: how many pipeline stages the ranks are split into (along ``pipeline``), and
     whether this rank holds the last, which computes the loss. ``peers``: the dimensions of the
@@ -97,17 +100,16 @@ class MeshGroup:
         return world_size // self.stages[0] // self._size
 
     def extend(
-        self,
-        payload: torch.Tensor,
-        layout: Layout,
-        microbatches: Mapping[str, Sequence[object] | torch.Tensor | None],
+        self, payload: torch.Tensor, layout: Layout, microbatches: Microbatches
     ) -> torch.Tensor:
         """``payload`` and, for each group of peers, the sum of its ranks' fingerprints and of
         their losses (each rank's loss slots in one number), then the sums of their squares:
         over ``T`` peers ``T * f`` and ``T * f**2`` if and only if every one sent the same
         ``f``. The fingerprint is of the rank's totals and each microbatch's counts, in order,
         since each microbatch's factor comes from its own counts. Only the last peer's counts
-        and losses are added up."""
+        and losses are added up. Without peers, ``payload`` as it is."""
+        if not self.peers:
+            return payload
         # The numbers on the host go in one copy that does not wait for the device, then each
         # tensor back in its place: the same counts, as numbers or as tensors, in the same order.
         host, tensors = array("d", [len(microbatches)]), []
@@ -145,7 +147,7 @@ class MeshGroup:
         fingerprint (computed exactly in int64) and losses that differ by no more than
         round-off (a relative spread of 1e-6; a non-finite loss is not compared), from
         ``extend()``'s slots summed (bool)."""
-        agree, start = [], 0
+        agree, start = [summed.new_zeros(0, dtype=torch.bool)], 0  # cat: none without peers
         for size, groups, _ in self._groups:
             sums, losses, squares, loss_squares = summed[start : start + 4 * groups].view(4, -1)
             sums, squares = sums.to(torch.int64), squares.to(torch.int64)
@@ -154,16 +156,18 @@ class MeshGroup:
             average = losses / size
             spread = loss_squares / size - average * average
             close = ~(spread > (1e-6 * average) ** 2)  # NaN: not compared
-            agree.append((exact & close).all())
+            agree.append((exact & close).all().reshape(1))
             start += 4 * groups
-        return torch.stack(agree)
+        return torch.cat(agree)
 
     def messages(self) -> list[str]:
         """The words of each dimension's check where they must be fixed (a compiled assert)."""
         return [str(self.refusal([n != name for n in self.peers])) for name in self.peers]
 
-    def refusal(self, agree: Sequence[bool]) -> Exception:
-        """The error of the peers along the dimensions that ``agree`` (one bool each) fails."""
+    def refusal(self, passed: Sequence[bool]) -> Exception:
+        """The error of the peers along the dimensions whose checks (the last of ``passed``,
+        one bool each) fail."""
+        agree = passed[len(passed) - len(self.peers) :]
         differing = tuple(name for name, same in zip(self.peers, agree, strict=True) if not same)
         root = self._root  # its dimensions that would count: of size 2 or more, data ones
         names = [n for i, n in enumerate(root.mesh_dim_names or ()) if root.size(i) > 1]

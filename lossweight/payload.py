@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from . import _torch, terms
-from .collectives import Collective, ProcessGroupCollective, Waitable, start_all_reduce
+from .collectives import Collective, Microbatches, Waitable, parallel_layout, start_all_reduce
 from .errors import device_message, error
 from .terms import ARGUMENTS, COUNTS, FIELDS, Layout, Term
-
-if TYPE_CHECKING:
-    from .parallel import MeshGroup
 
 LIMB = 2**31
 _CODES = len(FIELDS)
@@ -42,7 +38,6 @@ class Reduction:
     every rank: its ``unscaled`` slot, and ``refusal``, this rank's own error (see
     :func:`_host`)."""
 
-    _peers: MeshGroup | None
     _error: Exception | None = None
     _verdict: _torch.Verdict | None = None
     _checked = settled = False  # settled: checked, its verdict known on the host
@@ -57,7 +52,7 @@ class Reduction:
         flags: Flags,
         losses: tuple[torch.Tensor | None, torch.Tensor | None],
         traceable: bool = False,
-        microbatches: Mapping[str, Sequence[object] | torch.Tensor | None] | None = None,
+        microbatches: Microbatches | None = None,
         unscaled: float | torch.Tensor = 0.0,
         refusal: Exception | None = None,
     ) -> None:
@@ -78,10 +73,9 @@ class Reduction:
             if loss is not None:  # each term's sum, then whether it is NaN or infinite
                 payload[sums].copy_(loss)  # copy_ moves a loss's device too
                 payload[nonfinite].copy_(loss - loss != 0)
-        mesh = collective.mesh if isinstance(collective, ProcessGroupCollective) else None
-        self._peers = mesh if mesh is not None and mesh.peers else None
-        if self._peers is not None:  # a mesh's tensor-parallel peers, checked to agree
-            payload = self._peers.extend(payload, layout, microbatches or {})
+        self._parallel = parallel_layout(collective)
+        if self._parallel is not None:  # its ranks beyond the data-parallel ones, checked too
+            payload = self._parallel.extend(payload, layout, microbatches or {})
         self.layout, self._payload, self._codes, self._refusal = layout, payload, codes, refusal
         self._world_size, self._collective = collective.world_size, type(collective).__name__
         self._handle: Waitable | None = start_all_reduce(collective, payload, traceable)
@@ -166,16 +160,16 @@ class Reduction:
         """Whether each checked slot of the summed payload holds what agreeing ranks sum to."""
         centre, radius = self._bounds
         checked: torch.Tensor = (self._payload[: self.layout.checked] - centre).abs() <= radius
-        if (mesh := self._peers) is not None:
-            checked = torch.cat((checked, mesh.agreement(self._payload[self.layout.length :])))
+        if (parallel := self._parallel) is not None:
+            checked = torch.cat((checked, parallel.agreement(self._payload[self.layout.length :])))
         return checked
 
     def _check(self) -> None:
-        self._checked, checked, mesh = True, self._agreement(), self._peers
+        self._checked, checked, parallel = True, self._agreement(), self._parallel
         if torch.compiler.is_compiling():
-            peers = [] if mesh is None else mesh.messages()
+            layout = [] if parallel is None else parallel.messages()
             _torch.needs_compiled()
-            _torch.compiled.check(checked, peers, lambda: self._check_on_host(checked))
+            _torch.compiled.check(checked, layout, lambda: self._check_on_host(checked))
         elif self.device.type in CHECKED_ON_HOST:
             self._check_on_host(checked)
         elif self.device.type != "meta":  # a meta tensor has no values to check
@@ -213,9 +207,9 @@ class Reduction:
             self._error = self._refusal or error("peer_refused", count=refused, ranks=ranks)
         elif names := [ARGUMENTS[n] for n in COUNTS if not passed[layout.high[n]]]:
             self._error = error("total_too_large", name=" and ".join(names))
-        else:  # only the last check failed: the mesh's peers'
-            assert self._peers is not None
-            self._error = self._peers.refusal(passed[len(passed) - len(self._peers.peers) :])
+        else:  # only the last checks failed: the parallel layout's
+            assert self._parallel is not None
+            self._error = self._parallel.refusal(passed)
         raise self._error from None
 
 

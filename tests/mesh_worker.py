@@ -221,7 +221,7 @@ def run(rank: int, world_size: int) -> dict:
     world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
     unflattened = world._unflatten(0, (2, 2), ("replicate", "shard"))
     whole = lossweight.Accumulator(loss_reduction="sum", group=unflattened)
-    outcome["unflattened_whole"] = list(whole._resolver.mesh.peers)  # type: ignore[union-attr]
+    outcome["unflattened_whole"] = list(whole._resolver.parallel.peers)  # type: ignore[union-attr]
     for name, mesh in {
         "partial_refused": unflattened["replicate"],
         "tp_refused": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -193,6 +194,25 @@ def test_a_plain_step_imports_no_parallel_layout() -> None:
         "assert 'lossweight.parallel' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_only_the_resolver_knows_the_parallel_module() -> None:
+    # The core reaches a mesh's layout through collectives.ParallelLayout alone: parallel.py,
+    # and the words of meshes, appear only where a DeviceMesh given as group= is handed to it.
+    found = set()
+    for name in ACCUMULATOR_FILES:
+        for node in ast.walk(ast.parse((PACKAGE / name).read_text())):
+            for inner in ast.walk(node) if isinstance(node, ast.ClassDef) else ():
+                names = [getattr(inner, key, None) for key in ("id", "attr", "arg", "module")]
+                names += [alias.name for alias in getattr(inner, "names", [])]
+                if {"MeshGroup", "mesh", "peers"} & set(names):
+                    found.add((name, node.name, "mesh"))
+                if isinstance(inner, ast.ImportFrom) and inner.module == "parallel":
+                    found.add((name, node.name, "import"))
+    assert found == {
+        ("collectives.py", "CollectiveResolver", "mesh"),
+        ("collectives.py", "CollectiveResolver", "import"),
+    }
 
 
 def test_the_math_file_alone_runs_without_torch(tmp_path: Path) -> None:
