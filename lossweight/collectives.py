@@ -60,19 +60,20 @@ Microbatches = Mapping[str, Sequence[object] | torch.Tensor | None]  # each coun
 class ParallelLayout(Protocol):
     """What a process group's reduction spans beyond the ranks of different data, and how those
     ranks are checked: :mod:`lossweight.parallel` implements it for a ``DeviceMesh``. The core
-    asks it for nothing else, so that a vendored copy of plain data parallelism leaves it out.
+    reaches a mesh through this interface alone, so that a vendored copy of plain data
+    parallelism leaves ``parallel.py`` out.
 
-    - ``stages``: how many pipeline stages the ranks are split into, and whether this rank
-      holds the last, which computes the loss;
     - ``group()``: the process group to reduce over, made when a step begins;
     - ``replicas(world_size)``: the ranks of different data among the reduction's, ``D``'s world;
-    - ``extend()`` appends this rank's slots of the check to a payload before it is reduced,
-      ``agreement()`` says from the summed slots which checks pass (a bool each; none: empty),
-      ``messages()`` gives their words for a compiled assert, and ``refusal()`` the error of
-      those that fail, from every check of the payload (the layout's are the last).
+    - ``extend()``: a payload before it is reduced, with this rank's slots of the layout's own
+      checks appended (none: the payload as it is), and its count and loss slots zeroed where
+      another rank of the same data adds them up;
+    - ``agreement()``: from those slots summed (the payload's after its ``layout.length``),
+      whether each of the layout's checks passes, a bool each;
+    - ``messages()``: the words of each check, for a compiled assert;
+    - ``refusal()``: the error of the checks that fail, from every check of the payload (the
+      layout's are the last).
     """
-
-    stages: tuple[int, bool]
 
     def group(self) -> dist.ProcessGroup: ...
 
@@ -183,8 +184,8 @@ class CollectiveResolver:
                 if missing.name != f"{__package__}.parallel":  # not the file left out
                     raise
                 raise error("not_copied", file="parallel.py", use="group= a DeviceMesh") from None
-            self.parallel = MeshGroup(group, pipeline)
-            self.stages = self.parallel.stages
+            self.parallel = mesh = MeshGroup(group, pipeline)
+            self.stages = mesh.stages
         elif pipeline is not None:
             raise error("pipeline_dimension", value=pipeline, group=group, names=())
         if isinstance(collective, type):

@@ -79,14 +79,14 @@ def all_taken(cursor: torch.Tensor, size: int) -> None:
     torch._assert_async(cursor == size, device_message("traced_too_few"))
 
 
-def check(checked: torch.Tensor, layout: Sequence[str], on_host: Callable[[], None]) -> None:
+def check(checked: torch.Tensor, extra: Sequence[str], on_host: Callable[[], None]) -> None:
     """The ranks' agreement check of a reduction used in a graph: an assert per slot, worded
-    by ``ASSERT_MESSAGES`` and then the parallel layout's ``messages()``; where graphs drop
+    by ``ASSERT_MESSAGES`` and then ``extra``, a parallel layout's; where graphs drop
     asserts, ``on_host`` outside the graph, or a failed compile under ``fullgraph=True``."""
     if not GRAPH_ASSERTS:
         untraced(device_message("graph_asserts", version=torch.__version__), on_host)
         return
-    messages = (*ASSERT_MESSAGES, *layout)
+    messages = (*ASSERT_MESSAGES, *extra)
     for index, passed in enumerate(checked):
         torch._assert_async(passed, messages[index])
 

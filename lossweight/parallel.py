@@ -147,7 +147,7 @@ class MeshGroup:
         fingerprint (computed exactly in int64) and losses that differ by no more than
         round-off (a relative spread of 1e-6; a non-finite loss is not compared), from
         ``extend()``'s slots summed (bool)."""
-        agree, start = [summed.new_zeros(0, dtype=torch.bool)], 0  # cat: none without peers
+        agree, start = [], 0
         for size, groups, _ in self._groups:
             sums, losses, squares, loss_squares = summed[start : start + 4 * groups].view(4, -1)
             sums, squares = sums.to(torch.int64), squares.to(torch.int64)
@@ -156,9 +156,9 @@ class MeshGroup:
             average = losses / size
             spread = loss_squares / size - average * average
             close = ~(spread > (1e-6 * average) ** 2)  # NaN: not compared
-            agree.append((exact & close).all().reshape(1))
+            agree.append((exact & close).all())
             start += 4 * groups
-        return torch.cat(agree)
+        return torch.stack(agree)
 
     def messages(self) -> list[str]:
         """The words of each dimension's check where they must be fixed (a compiled assert)."""

@@ -73,9 +73,10 @@ class Reduction:
             if loss is not None:  # each term's sum, then whether it is NaN or infinite
                 payload[sums].copy_(loss)  # copy_ moves a loss's device too
                 payload[nonfinite].copy_(loss - loss != 0)
-        self._parallel = parallel_layout(collective)
-        if self._parallel is not None:  # its ranks beyond the data-parallel ones, checked too
-            payload = self._parallel.extend(payload, layout, microbatches or {})
+        if (parallel := parallel_layout(collective)) is not None:  # ranks of the same data too
+            payload = parallel.extend(payload, layout, microbatches or {})
+        # The layout's agreement is read where it added checks of its own.
+        self._parallel = parallel if len(payload) > layout.length else None
         self.layout, self._payload, self._codes, self._refusal = layout, payload, codes, refusal
         self._world_size, self._collective = collective.world_size, type(collective).__name__
         self._handle: Waitable | None = start_all_reduce(collective, payload, traceable)
@@ -167,9 +168,9 @@ class Reduction:
     def _check(self) -> None:
         self._checked, checked, parallel = True, self._agreement(), self._parallel
         if torch.compiler.is_compiling():
-            layout = [] if parallel is None else parallel.messages()
+            messages = [] if parallel is None else parallel.messages()
             _torch.needs_compiled()
-            _torch.compiled.check(checked, layout, lambda: self._check_on_host(checked))
+            _torch.compiled.check(checked, messages, lambda: self._check_on_host(checked))
         elif self.device.type in CHECKED_ON_HOST:
             self._check_on_host(checked)
         elif self.device.type != "meta":  # a meta tensor has no values to check

@@ -57,9 +57,10 @@ it reduced when it adopts a step's world, and variables and assignments used onc
 then 1,735 (sittings 277 and 350) with a count's numbers summed where the payload is made and
 a reduction's two loss sums passed as a pair; then 1,737 (scale-after sitting 352) with the
 payload's host numbers moved by the one helper every other host copy uses, and a waiting loss
-kept by the ledger's own method rather than written into it by a step; then 1,746 with the
+kept by the ledger's own method rather than written into it by a step; then 1,745 with the
 parallel layout reached through one interface, ``collectives.ParallelLayout``, so that only
-the resolver, where a mesh is given, names ``parallel.py``.
+the resolver, where a mesh is given, names ``parallel.py`` (the interface's 8 lines, no
+behaviour: the price of the optional module's one way in).
 ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
@@ -98,7 +99,7 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1746),
+    ("code lines", lambda s: s.code_lines, "<=", 1745),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
     ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 277),
     ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 352),
