@@ -179,3 +179,31 @@ class Thing:
     path.write_text(source)
     # import; class; size = (, 1, 2, ); def; return
     assert code_lines(path) == 8
+
+
+def test_the_vendoring_page_quotes_the_measured_figures(size: CoreSize) -> None:
+    # docs/vendoring.md's table of the copy's size, row by row, against what is measured now.
+    page = (Path(__file__).parent.parent / "docs" / "vendoring.md").read_text()
+    rows = {}
+    for line in page[page.index("| figure | value | target |") :].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        figure, value, _ = (cell.strip() for cell in line.strip("|").split("|"))
+        rows[figure] = int(value.replace(",", ""))
+    classes, functions = (
+        span.where.split(":")[1] for span in (size.longest_class, size.longest_function)
+    )
+    assert rows == {
+        "code lines of the 11 files (no docstrings, comments or blank lines): what a vendorer"
+        " takes on": size.code_lines,
+        "code lines of `parallel.py`, for meshes and pipelines": size.parallel_code_lines,
+        "code lines of `compiled.py`, for `torch.compile`": size.compiled_code_lines,
+        "distinct lines of those files that one step runs (2 microbatches of mean losses,"
+        ' `loss_logging="end"`, its loss read), count first': size.sitting["count first"],
+        "the same, scale after": size.sitting["scale after"],
+        "physical lines of the 11 files, torch-free (`weighting.py`, `errors.py`, `terms.py`,"
+        " `machine.py`)": size.torch_free_lines,
+        f"longest class (`{classes}`)": size.longest_class.lines,
+        f"longest function (`{functions}`)": size.longest_function.lines,
+    }
+    assert f"The 11 files hold {size.total_lines:,} physical lines" in page
