@@ -123,7 +123,7 @@ MESSAGES: dict[str, tuple[type[Exception], str]] = {
     "differ_carried": (DisagreementError, "{share}% of the ranks' reductions carry the loss of the step before (loss_logging='next_step'), and this rank's {own}: a rank abandoned a step that another ended, or ended one that another abandoned"),
     "differ_estimate": (DisagreementError, "the ranks differ in the estimate of W that a scale-after step's provisional factors assume, so their gradients were averaged at different scales: this rank's is {own}; give every rank the same weight_estimate, and load the same saved state on every rank"),
     "differ_divisor": (DisagreementError, "the ranks differ in grad_reduction (or framework_divides_loss_by): this rank's factors undo a division of the gradients by {divisor:g}, another rank's by another number"),
-    "not_copied": (RuntimeError, "{use} needs lossweight's {file}, which this copy of lossweight leaves out; copy {file} into the folder of accumulator.py (docs/vendoring.md lists the files of each use)"),
+    "not_copied": (RuntimeError, "{use} needs lossweight's {file}, which this copy of lossweight leaves out; copy {file} into the folder of accumulator.py (lossweight's docs/vendoring.md lists the files of each use)"),
     # The table itself.
     "code_taken": (ValueError, "the codes {codes} have other rows in lossweight.errors.MESSAGES already; give each row a code of its own"),
 }

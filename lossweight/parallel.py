@@ -29,7 +29,7 @@ _MESSAGES: dict[str, tuple[type[Exception], str]] = {
     "mesh_unnamed": (ValueError, "group={mesh!r} is a DeviceMesh of several dimensions without names; name them (init_device_mesh(..., mesh_dim_names=('dp', 'cp'))), so that its ranks can be flattened into one group"),
     "mesh_model_parallel": (ValueError, "group={mesh!r} has the mesh dimension {name!r}, whose ranks hold the same data (tensor or pipeline parallel): counting over it would count each item once per rank of it; pass the data-parallel dimensions only, such as group=mesh['dp', 'cp'], or for pipeline stages, name their dimension: group=mesh['pp', 'dp'], pipeline='pp'"),
     "mesh_partial": (ValueError, "group={mesh!r} holds part of a dimension of its root mesh {root!r} (as a mesh made with DeviceMesh._unflatten does), so lossweight cannot see which of the root's ranks hold the same data as which; make the mesh with init_device_mesh(..., mesh_dim_names=...) and pass group= a slice of it by name, such as group=mesh['dp']"),
-    "peers_differ": (DisagreementError, "lossweight: ranks that differ only along the mesh dimensions {dimensions} of the group's root mesh, which group= does not span, gave different counts or losses in one reduction of a step. The ranks along a dimension outside group= must hold the same data, as tensor-parallel ranks do: the reduction spans them and counts each item once. If the ranks along {dimensions} hold different data (data or context parallel, a dimension of HSDP), count over it: group=mesh{suggested}; if they are tensor-parallel ranks, give each the counts of the whole batch, not of its own shard (of a vocabulary-parallel loss's labels, say); if they are pipeline stages, name their dimension in group= and pipeline= (group=mesh['pp', 'dp'], pipeline='pp')"),
+    "peers_differ": (DisagreementError, "lossweight: ranks that differ only along the mesh dimensions {dimensions} of the group's root mesh, which group= does not span, gave different counts or losses in one reduction of a step. The ranks along a dimension outside group= must hold the same data, as tensor-parallel ranks do: the reduction spans them and counts each item once. If the ranks along {dimensions} hold different data (data or context parallel, a dimension of HSDP), count over it: {count_over}; if they are tensor-parallel ranks, give each the counts of the whole batch, not of its own shard (of a vocabulary-parallel loss's labels, say); if they are pipeline stages, name their dimension in group= and pipeline= (group=mesh['pp', 'dp'], pipeline='pp')"),
 }
 # fmt: on
 add_messages(_MESSAGES)
@@ -172,7 +172,12 @@ class MeshGroup:
         root = self._root  # its dimensions that would count: of size 2 or more, data ones
         names = [n for i, n in enumerate(root.mesh_dim_names or ()) if root.size(i) > 1]
         kept = [n for n in names if n not in self.peers or n in differing]
-        return error("peers_differ", dimensions=differing, suggested=_data(kept) or kept)
+        count_over = f"group=mesh{_data(kept) or kept}"
+        if not _data(differing):  # named tensor or pipeline parallel: group= refuses it so named
+            count_over = (
+                "rename it (tp, etp and pp say its ranks hold the same data), add it to group="
+            )
+        return error("peers_differ", dimensions=differing, count_over=count_over)
 
 
 def _data(names: Sequence[str]) -> list[str]:

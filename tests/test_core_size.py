@@ -201,8 +201,8 @@ def test_the_vendoring_page_quotes_the_measured_figures(size: CoreSize) -> None:
         "distinct lines of those files that one step runs (2 microbatches of mean losses,"
         ' `loss_logging="end"`, its loss read), count first': size.sitting["count first"],
         "the same, scale after": size.sitting["scale after"],
-        "physical lines of the 11 files, torch-free (`weighting.py`, `errors.py`, `terms.py`,"
-        " `machine.py`)": size.torch_free_lines,
+        "physical lines of the torch-free files among the 11 (`weighting.py`, `errors.py`,"
+        " `terms.py`, `machine.py`)": size.torch_free_lines,
         f"longest class (`{classes}`)": size.longest_class.lines,
         f"longest function (`{functions}`)": size.longest_function.lines,
     }

@@ -61,6 +61,9 @@ def test_tensor_parallel_ranks_giving_different_counts_is_an_error_on_every_rank
         raised = rank[f"tp_differ/{case}/{mode}"]
         assert "ranks that differ only along the mesh dimensions ('tp',)" in raised
         assert "gave different counts" in raised
+        # Not "count over it: group=mesh['dp']", the group given: a dimension named tp is
+        # refused in group=, so the fix is its name.
+        assert "count over it: rename it (tp, etp and pp say its ranks hold the same" in raised
 
 
 @pytest.mark.parametrize("mode", mesh_worker.MODES)

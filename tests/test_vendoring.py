@@ -35,7 +35,7 @@ def vendor(tmp_path: Path, files: list[str]) -> None:
 
 
 def test_the_accumulator_files_run_a_step_under_another_name(tmp_path: Path) -> None:
-    vendor(tmp_path, [*ACCUMULATOR_FILES, "counting.py"])
+    vendor(tmp_path, [*ACCUMULATOR_FILES, "counting.py"])  # the counting helpers' row too
     run_isolated(
         tmp_path,
         "import torch\n"
@@ -49,6 +49,31 @@ def test_the_accumulator_files_run_a_step_under_another_name(tmp_path: Path) -> 
         "    acc.scale_loss(x * count_tokens(y)).backward()\n"
         "result = acc.end()\n"
         "assert x.grad.item() == 1.0 and result.num_tokens.item() == 3\n"
+        "loaded = [name for name, module in sys.modules.items() if module is not None]\n"
+        "assert not any(name.startswith('lossweight') for name in loaded)\n",
+    )
+
+
+def test_the_testing_folder_added_checks_a_split_under_another_name(tmp_path: Path) -> None:
+    vendor(tmp_path, list(ACCUMULATOR_FILES))
+    shutil.copytree(PACKAGE / "testing", tmp_path / "mytrainer" / "_vendor" / "lw" / "testing")
+    run_isolated(
+        tmp_path,
+        "import torch\n"
+        "from mytrainer._vendor.lw.accumulator import Accumulator\n"
+        "from mytrainer._vendor.lw.testing import assert_split_invariant\n"
+        "model = torch.nn.Linear(2, 1).double()\n"
+        "examples = [torch.full((n, 2), float(n), dtype=torch.float64) for n in (3, 1, 0, 2, 4)]\n"
+        "def step(model, microbatches, collective):\n"
+        "    acc = Accumulator(loss_reduction='mean', collective=collective)\n"
+        "    acc.begin(num_tokens=[len(x) for x in microbatches])\n"
+        "    for x in microbatches:\n"
+        "        loss = model(x).square().mean() if len(x) else model(x).sum()\n"
+        "        acc.scale_loss(loss).backward()\n"
+        "    return acc.end()\n"
+        "empty = torch.zeros(0, 2, dtype=torch.float64)\n"
+        "collate = lambda batch: torch.cat(batch) if batch else empty\n"
+        "assert_split_invariant(step, model, examples, collate, counts=[3, 1, 0, 2, 4])\n"
         "loaded = [name for name, module in sys.modules.items() if module is not None]\n"
         "assert not any(name.startswith('lossweight') for name in loaded)\n",
     )
@@ -246,3 +271,7 @@ def test_the_listed_files_are_all_the_accumulator_imports() -> None:
     page = (PACKAGE.parent / "docs" / "vendoring.md").read_text()
     row = next(line for line in page.splitlines() if line.startswith("| the `Accumulator`"))
     assert sorted(re.findall(r"`(\w+\.py)`", row)) == sorted(ACCUMULATOR_FILES)
+    # And its example copies exactly them.
+    listed = re.findall(r"^FILES \+?= \[(.*)\]", page, flags=re.M)
+    copied = [name.strip(" '\"") + ".py" for names in listed for name in names.split(",")]
+    assert sorted(copied) == sorted(ACCUMULATOR_FILES)
