@@ -159,10 +159,7 @@ class Accumulator:
             if not loss:  # every count given, so that no reported count looks lacking here
                 size = next(len(c) for c in counts.values() if c is not None)
                 counts = {name: [0] * size for name in counts}
-            codes = self._ledger.codes(state.steps, terms.COUNT_FIRST_BEGIN)
-            carried = self._ledger.carried
-            self._tensors = CountFirst(collective, self.layout, codes, counts, carried, divisor)
-            self._ledger.add(self._tensors.reduction, estimates=True)
+            self._tensors = CountFirst(collective, self._ledger, state.steps, counts, divisor)
         else:
             self._tensors = ScaleAfter(params, self._ledger.estimated(), divisor, self.layout, loss)
         self.state, self._collective = state, collective

@@ -41,30 +41,26 @@ class CountFirst:
     refusal: Exception | None = None  # what it carried to the peers
 
     def __init__(
-        self,
-        collective: Collective,
-        layout: Layout,
-        codes: tuple[int, ...],
-        counts: Counts,
-        carried: torch.Tensor | None,
-        divisor: float,
+        self, collective: Collective, ledger: Ledger, step: int, counts: Counts, divisor: float
     ) -> None:
-        self._terms, self._divisor, self._declared = layout.terms, divisor, counts
+        self._terms, self._divisor, self._declared = ledger.layout.terms, divisor, counts
         self.size = size = len(next(c for c in counts.values() if c is not None))
         self.device = device = reduction_device(collective, counts)
         flags = {n: (counts[n] is not None, counts[n] is None and size > 0) for n in COUNTS}
+        codes = ledger.codes(step, terms.COUNT_FIRST_BEGIN)
         # traceable: scale_loss() uses the totals in every case, maybe in a compiled graph.
         self.reduction = Reduction(
-            collective, layout, codes, device, counts, flags, (None, carried), True, counts
-        )
+            collective, ledger.layout, codes, device, counts, flags, (None, ledger.carried),
+            traceable=True, microbatches=counts,
+        )  # fmt: skip
+        ledger.add(self.reduction, estimates=True)  # its W is the next estimate
         # Each term's weight per microbatch (a constant's term: 1), and where all are numbers,
         # whether each microbatch's are positive, known on the host at no cost.
         rows: list[Any] = [counts[t.count] if t.count else [1] * size for t in self._terms]
         self._host_positive, self._weights = _weights(rows, device)
         self._factors: Rows = ()
-        # The factors and whether each weight is positive, on a loss's device and at its
-        # precision: (device, dtype, factors, positive), the last one made first.
-        self._cast: list[tuple[torch.device, torch.dtype, Rows, Rows]] = []
+        # The factors and whether each weight is positive, by a loss's device and precision.
+        self._cast: dict[tuple[torch.device, torch.dtype], tuple[Rows, Rows]] = {}
         # Each microbatch's detached losses (float64, on the losses' device), indexed by its
         # position so that a compiled scale_loss() does not depend on how many came before.
         self._losses: Rows = ()
@@ -208,14 +204,12 @@ class CountFirst:
     def cast(self, loss: torch.Tensor) -> tuple[Rows, Rows]:
         """The factors at the loss's precision (float32 at least), and whether each weight is
         positive, on the loss's device: made once a step (and a loss device and dtype)."""
-        for device, dtype, factors, positive in self._cast:
-            if dtype is loss.dtype and device == loss.device:
-                return factors, positive
-        dtype = torch.promote_types(loss.dtype, torch.float32)
-        factors = tuple([f.to(loss.device, dtype, non_blocking=True) for f in self.factors()])
-        positive = tuple([(w > 0).to(loss.device, non_blocking=True) for w in self._weights])
-        self._cast.insert(0, (loss.device, loss.dtype, factors, positive))
-        return factors, positive
+        if (key := (loss.device, loss.dtype)) not in self._cast:
+            dtype = torch.promote_types(loss.dtype, torch.float32)
+            factors = tuple([f.to(loss.device, dtype, non_blocking=True) for f in self.factors()])
+            positive = tuple([(w > 0).to(loss.device, non_blocking=True) for w in self._weights])
+            self._cast[key] = (factors, positive)
+        return self._cast[key]
 
 
 class ScaleAfter:

@@ -60,7 +60,10 @@ payload's host numbers moved by the one helper every other host copy uses, and a
 kept by the ledger's own method rather than written into it by a step; then 1,745 with the
 parallel layout reached through one interface, ``collectives.ParallelLayout``, so that only
 the resolver, where a mesh is given, names ``parallel.py`` (the interface's 8 lines, no
-behaviour: the price of the optional module's one way in).
+behaviour: the price of the optional module's one way in); then 1,737 (count-first sitting
+275) with a count-first step's reduction made and registered through the ledger, as every
+other reduction is, and its cast factors cached by device and dtype in a dict, as a
+scale-after step's are.
 ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
@@ -99,9 +102,9 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1745),
+    ("code lines", lambda s: s.code_lines, "<=", 1737),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
-    ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 277),
+    ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 275),
     ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 352),
     ("torch-free lines", lambda s: s.torch_free_lines, ">=", 350),
     ("longest class", lambda s: s.longest_class.lines, "<=", 250),
