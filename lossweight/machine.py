@@ -192,6 +192,7 @@ def flush(state: State) -> tuple[State, bool]:
 
 
 def load(state: State, steps: int) -> State:
+    """``load_state_dict()``: the state at a saved step count, no loss waiting."""
     idle(state, "load_state_dict")
     return state._replace(steps=steps, pending=False)
 
