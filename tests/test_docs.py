@@ -102,3 +102,18 @@ def test_the_readme_demo_command_installs_and_runs_the_demo() -> None:
     demo, _ = readme_commands()
     assert '-e ".[demo]"' in demo
     assert demo.endswith(".venv/bin/python -m lossweight.demo")
+
+
+def test_the_api_pages_show_a_docstrings_roles_as_the_code_they_name() -> None:
+    # mkdocstrings renders ":class:`Term`" as written; docs/hooks.py, which mkdocs.yml runs on
+    # every page, leaves the code alone.
+    spec = importlib.util.spec_from_file_location("hooks", ROOT / "docs" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    page = "A :class:<code>State</code> or :meth:<code>end</code>; time: 3:func: not code"
+    assert (
+        hooks.on_page_content(page)
+        == "A <code>State</code> or <code>end</code>; time: 3:func: not code"
+    )
+    assert "docs/hooks.py" in (ROOT / "mkdocs.yml").read_text()
