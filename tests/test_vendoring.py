@@ -240,6 +240,21 @@ def test_only_the_resolver_knows_the_parallel_module() -> None:
     }
 
 
+def test_the_accumulator_files_are_listed_in_the_order_they_import_each_other() -> None:
+    # docs/vendoring.md lists them so that each imports only files before it (imports for type
+    # checking and of an optional file, inside a function or a try, aside).
+    page = (PACKAGE.parent / "docs" / "vendoring.md").read_text()
+    section = page.split("### The `Accumulator`'s files")[1].split("###")[0]
+    listed = re.findall(r"^- `(\w+\.py)`:", section, flags=re.M)
+    assert sorted(listed) == sorted(ACCUMULATOR_FILES)
+    for position, name in enumerate(listed):
+        for node in ast.parse((PACKAGE / name).read_text()).body:  # the module's own level
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                modules = [node.module] if node.module else [a.name for a in node.names]
+                for module in modules:
+                    assert f"{module}.py" in listed[:position], f"{name} imports {module}"
+
+
 def test_the_math_file_alone_runs_without_torch(tmp_path: Path) -> None:
     shutil.copy(PACKAGE / "weighting.py", tmp_path / "lw_weighting.py")
     run_isolated(
