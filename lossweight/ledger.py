@@ -36,8 +36,7 @@ class Ledger:
         where its check failed, with the same value and codes on every rank whether it knows
         of the failure yet or not (on an accelerator the total is NaN until the host knows)."""
         if isinstance(self.estimate, payload.Reduction):
-            total = self.estimate.agreed_total(self.options.weight_by)
-            self.estimate = torch.where(total.isnan(), self.default, total)
+            self.estimate = self.estimate.agreed_total(self.options.weight_by, self.default)
         return self.estimate
 
     def adopt(self, collective: Collective) -> float:

@@ -127,11 +127,11 @@ class Reduction:
         # low + LIMB * high: the product is exact, the sum is rounded once above 2**53.
         return torch.add(payload[layout.low[count]], payload[layout.high[count]], alpha=LIMB)
 
-    def agreed_total(self, count: str) -> torch.Tensor:
-        """:meth:`total`, or NaN where the ranks' agreement fails, raising nothing: the same on
-        every rank, whether it has checked the reduction yet or not (its use raises)."""
+    def agreed_total(self, count: str, otherwise: float) -> torch.Tensor:
+        """:meth:`total`, or ``otherwise`` where the ranks' agreement fails, raising nothing: the
+        same on every rank, whether it has checked the reduction yet or not (its use raises)."""
         self.wait()
-        return torch.where(self._agreement().all(), self.total(count, self._payload), torch.nan)
+        return torch.where(self._agreement().all(), self.total(count, self._payload), otherwise)
 
     def normaliser(self, term: Term) -> torch.Tensor:
         """A term's ``W``: its count's total over every rank, or its constant, which waits for

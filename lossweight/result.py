@@ -33,11 +33,12 @@ class StepResult:
     clipped them, and None when ``end()`` did not clip.
     """
 
+    grad_norm: torch.Tensor | None = None  # set by an end() that clips
+
     def __init__(
         self, step: int, counts: Reduction, loss: Reduction | PendingLoss, unrecorded: list[int]
     ) -> None:
         self.step, self._counts, self._loss, self._unrecorded = step, counts, loss, unrecorded
-        self.grad_norm: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"StepResult(step={self.step}, device={self._counts.device})"

@@ -244,7 +244,6 @@ class ScaleAfter:
         self._means = tuple(means) if any(means) else ()
         self._cast: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._counts: dict[str, list[Count]] = {name: [] for name in COUNTS}
-        self._weights: list[Count] = []
         self._losses: list[tuple[torch.Tensor, ...]] = []  # per microbatch, one per term
         self._given = frozenset(map(id, parameters))
         # Parameters a loss reaches, not given, by id: each with its gradient, and that
@@ -281,7 +280,6 @@ class ScaleAfter:
         if not isinstance(weight, (int, float)):
             assert weight is not None
             weight = weight.to(key[0], torch.float64, non_blocking=True)
-        self._weights.append(weight)
         factor = shared
         if self._means:
             # A Python weight enters through full_like, a fill on the loss's device, so that
@@ -372,8 +370,9 @@ class ScaleAfter:
 
     def _loss_sum(self) -> torch.Tensor:
         losses = torch.stack([torch.stack(term) for term in zip(*self._losses, strict=True)])
+        given = self._counts[self._count]  # each microbatch's weight: the machine requires it
         weights = torch.stack(
-            [torch.as_tensor(w, device=losses.device).to(torch.float64) for w in self._weights]
+            [torch.as_tensor(w).to(losses.device, torch.float64, non_blocking=True) for w in given]
         )
         return _contributions(losses, weights.expand_as(losses), self._terms)
 
