@@ -369,12 +369,13 @@ class ScaleAfter:
         return torch.stack([t.to(device, non_blocking=True) for t in tensors])
 
     def _loss_sum(self) -> torch.Tensor:
+        """Each term's sum of loss contributions, weighted by the microbatches' counts as given
+        (a Python float made float64 at once: as a float32 tensor first it would be rounded)."""
         losses = torch.stack([torch.stack(term) for term in zip(*self._losses, strict=True)])
-        given = self._counts[self._count]  # each microbatch's weight: the machine requires it
-        weights = torch.stack(
-            [torch.as_tensor(w).to(losses.device, torch.float64, non_blocking=True) for w in given]
-        )
-        return _contributions(losses, weights.expand_as(losses), self._terms)
+        # Each microbatch's weight (the machine requires one), on the losses' device.
+        weights = [torch.as_tensor(w, dtype=torch.float64) for w in self._counts[self._count]]
+        weights = [w.to(losses.device, non_blocking=True) for w in weights]
+        return _contributions(losses, torch.stack(weights).expand_as(losses), self._terms)
 
 
 Losses = tuple[torch.Tensor, ...]

@@ -651,3 +651,21 @@ def test_parameters_not_given_are_refused_on_every_rank() -> None:
     first, second = InProcessGroup(2).run(rank_step)
     assert "parameters that begin(parameters=...) was not given" in first
     assert "1 of the 2 ranks of the reduction refused to end this step" in second
+
+
+@pytest.mark.parametrize("weight", [0.1, 1 / 3, 2.5e-7])
+def test_a_float_weight_is_logged_as_a_count_first_step_logs_it(weight: float) -> None:
+    # A Python float weight enters the logged loss at float64, as it enters W and the factors,
+    # not rounded to float32 on the way (0.1: 0.7000000104 logged for 0.7).
+    logged = []
+    for mode in ("count first", "scale after"):
+        p = torch.ones((), dtype=torch.float64, requires_grad=True)
+        acc = Accumulator(loss_reduction="mean", weight_by="weight_sum")
+        if mode == "count first":
+            acc.begin(weight_sum=[weight])
+            acc.scale_loss(p * 0.7).backward()
+        else:
+            acc.begin(parameters=[p])
+            acc.scale_loss(p * 0.7, weight_sum=weight).backward()
+        logged.append(acc.end().loss.item())
+    assert logged[1] == logged[0] == pytest.approx(0.7, rel=1e-15)
