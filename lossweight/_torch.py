@@ -10,7 +10,7 @@ import sys
 import weakref
 from array import array
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from math import inf
 from typing import Any
 
@@ -232,6 +232,15 @@ def reaches(losses: Sequence[torch.Tensor], parameters: list[torch.Tensor]) -> b
         id(leaf) in wanted or (leaf.grad is not None and _memory(leaf.grad) in wanted)
         for leaf in leaves(losses)
     )
+
+
+def register_hook(tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """``tensor.register_hook(hook)``, run eagerly where torch.compile traces the caller: dynamo
+    would drop a hook registered on a tensor of its graph."""
+    if torch.compiler.is_compiling():
+        torch.compiler.disable(register_hook)(tensor, hook)  # type: ignore[no-untyped-call]
+    else:
+        tensor.register_hook(hook)  # type: ignore[no-untyped-call]
 
 
 def clip_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:

@@ -116,7 +116,6 @@ class Accumulator:
         self.state = machine.State(self.options.weight_by, loss_logging)
         self._resolver = CollectiveResolver(group, collective, pipeline)
         self._tensors: Tensors = None
-        self._collective: Collective | None = None
         self._ledger = Ledger(self.options, self.layout)
         self._busy = threading.Lock()
 
@@ -161,8 +160,8 @@ class Accumulator:
                 counts = {name: [0] * size for name in counts}
             self._tensors = CountFirst(collective, self._ledger, state.steps, counts, divisor)
         else:
-            self._tensors = ScaleAfter(params, self._ledger.estimated(), divisor, self.layout, loss)
-        self.state, self._collective = state, collective
+            self._tensors = ScaleAfter(collective, self._ledger, params, divisor, loss)
+        self.state = state
         return StepContext(self, state.steps)
 
     @_exclusive
@@ -229,14 +228,15 @@ class Accumulator:
         does, each gradient once; ``result.grad_norm`` is their norm before clipping."""
         if max_grad_norm is not None:
             _check_max_grad_norm(max_grad_norm, self._tensors, self._resolver.stages[0])
-        step, tensors, collective = self.state.step, self._tensors, self._collective
+        step, tensors = self.state.step, self._tensors
         state, refusal = machine.end(self.state, _traced(tensors))
-        assert step is not None and tensors is not None and collective is not None
-        result = tensors.end(self._ledger, step, collective, refusal)
+        assert step is not None and tensors is not None
+        clip = None if max_grad_norm is None else float(max_grad_norm)
+        result = tensors.end(self._ledger, step, refusal, clip)
         self.state, self._tensors = state, None
         tensors.close(abandoned=False)
-        if isinstance(tensors, ScaleAfter) and max_grad_norm is not None:
-            result.grad_norm = _torch.clip_norm(tensors.parameters, float(max_grad_norm))
+        if isinstance(tensors, ScaleAfter) and clip is not None:
+            result.grad_norm = _torch.clip_norm(tensors.parameters, clip)
         return result
 
     @_exclusive

@@ -19,7 +19,7 @@ import torch
 from torch.torch_version import TorchVersion
 
 from .errors import add_messages, device_message
-from .terms import ARGUMENTS, COUNTS, FIELDS
+from .terms import ARGUMENTS, COUNTS, FIELDS, TOO_LARGE
 
 if TYPE_CHECKING:
     from .steps import CountFirst
@@ -46,7 +46,7 @@ ASSERT_MESSAGES = (
     *[device_message("disagree", field=field) for field in FIELDS * 2],  # codes, their squares
     device_message("unscaled_gradients"),
     device_message("peer_refused", count="some", ranks="several"),
-    *[device_message("total_too_large", name=ARGUMENTS[count]) for count in COUNTS],
+    *[device_message("total_too_large", name=ARGUMENTS[c], fix=TOO_LARGE[c]) for c in COUNTS],
 )
 
 

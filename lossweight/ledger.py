@@ -28,13 +28,16 @@ class Ledger:
         self.assume(self.default)
 
     def assume(self, estimate: float) -> None:
-        """Take an estimate given on the host, and its agreement codes."""
+        """Take an estimate given on the host (0, of an empty step: the option's), and its
+        agreement codes."""
+        estimate = estimate or self.default
         self.estimate, self.assumed = estimate, terms.number_codes(estimate)
 
     def estimated(self) -> float | torch.Tensor:
         """The ``E`` of the next scale-after step: the last reduction's ``W``, or the option's
-        where its check failed, with the same value and codes on every rank whether it knows
-        of the failure yet or not (on an accelerator the total is NaN until the host knows)."""
+        where that is 0 (an empty step says nothing of the next one's size) or its check
+        failed, with the same value and codes on every rank whether it knows of the failure yet
+        or not (on an accelerator the total is NaN until the host knows)."""
         if isinstance(self.estimate, payload.Reduction):
             self.estimate = self.estimate.agreed_total(self.options.weight_by, self.default)
         return self.estimate
@@ -55,11 +58,13 @@ class Ledger:
         self.settle()
         return self.world[1]
 
-    def codes(self, step: int, call: int) -> tuple[int, ...]:
+    def codes(self, step: int, call: int, clip: float | None = None) -> tuple[int, ...]:
         """What the ranks agree on in a reduction: the step, the call, whether it carries a loss,
-        the options, and the estimate (a reduced one is the same on every rank; others may not)."""
-        estimate = self.assumed if isinstance(self.estimate, float) else terms.REDUCED
-        return (step % 2**16, call, self.pending is not None, *self.world[2], *estimate)
+        the options, the estimate (a reduced one is the same on every rank; others may not), and
+        the norm a scale-after ``end()`` clips to (``clip``), if any."""
+        estimate = self.assumed if isinstance(self.estimate, float) else terms.NO_NUMBER
+        clipped = terms.NO_NUMBER if clip is None else terms.number_codes(clip)
+        return (step % 2**16, call, self.pending is not None, *self.world[2], *estimate, *clipped)
 
     def drop(self, why: str) -> int | None:
         """Forget the loss that waits, which its result then explains with ``why``."""

@@ -128,10 +128,12 @@ class Reduction:
         return torch.add(payload[layout.low[count]], payload[layout.high[count]], alpha=LIMB)
 
     def agreed_total(self, count: str, otherwise: float) -> torch.Tensor:
-        """:meth:`total`, or ``otherwise`` where the ranks' agreement fails, raising nothing: the
-        same on every rank, whether it has checked the reduction yet or not (its use raises)."""
+        """:meth:`total`, or ``otherwise`` where it is 0 or the ranks' agreement fails, raising
+        nothing: the same on every rank, whether it has checked the reduction yet or not (its
+        use raises)."""
         self.wait()
-        return torch.where(self._agreement().all(), self.total(count, self._payload), otherwise)
+        total = self.total(count, self._payload)
+        return torch.where(self._agreement().all() & (total > 0), total, otherwise)
 
     def normaliser(self, term: Term) -> torch.Tensor:
         """A term's ``W``: its count's total over every rank, or its constant, which waits for
@@ -206,8 +208,10 @@ class Reduction:
         elif not passed[layout.refused]:
             refused = round(values[layout.refused])
             self._error = self._refusal or error("peer_refused", count=refused, ranks=ranks)
-        elif names := [ARGUMENTS[n] for n in COUNTS if not passed[layout.high[n]]]:
-            self._error = error("total_too_large", name=" and ".join(names))
+        elif names := [n for n in COUNTS if not passed[layout.high[n]]]:
+            fix = terms.TOO_LARGE[names[-1]]  # the weights' where they are among them
+            name = " and ".join(ARGUMENTS[n] for n in names)
+            self._error = error("total_too_large", name=name, fix=fix)
         else:  # only the last checks failed: the parallel layout's
             assert self._parallel is not None
             self._error = self._parallel.refusal(passed)
@@ -255,6 +259,8 @@ def _problem(field: str, mean: float, square: float, own: tuple[int, ...], layou
         fields = {"field": field, "own": choices[own[0]], "first": first, "second": second}
         return device_message("differ_choice", share=share, **fields)
     number = terms.number_of(own)
+    if field == "max_grad_norm":
+        return device_message("differ_clip", own="None" if math.isnan(number) else f"{number:g}")
     if field == "weight_estimate":
         shown = "the W its last step reduced" if math.isnan(number) else f"{number:g}"
         return device_message("differ_estimate", own=shown)

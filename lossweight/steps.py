@@ -10,6 +10,7 @@ machine decides which microbatch a call takes; these classes do the arithmetic, 
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import weakref
@@ -25,7 +26,7 @@ from .ledger import Ledger
 from .machine import Step
 from .payload import Counts, Reduction
 from .result import StepResult
-from .terms import ARGUMENTS, COUNTS, INTEGER, Layout, Term
+from .terms import ARGUMENTS, COUNTS, INTEGER, Term
 
 Count = int | float | torch.Tensor
 Counted = Mapping[str, Count | None]
@@ -44,6 +45,7 @@ class CountFirst:
         self, collective: Collective, ledger: Ledger, step: int, counts: Counts, divisor: float
     ) -> None:
         self._terms, self._divisor, self._declared = ledger.layout.terms, divisor, counts
+        self.collective = collective
         self.size = size = len(next(c for c in counts.values() if c is not None))
         self.device = device = reduction_device(collective, counts)
         flags = {n: (counts[n] is not None, counts[n] is None and size > 0) for n in COUNTS}
@@ -74,13 +76,14 @@ class CountFirst:
             self.reduction.wait()
 
     def end(
-        self, ledger: Ledger, step: Step, collective: Collective, refusal: Exception | None
+        self, ledger: Ledger, step: Step, refusal: Exception | None, clip: float | None = None
     ) -> StepResult:
-        """What the step reports, its loss reduced now or left to wait. What its end() refuses
+        """What the step reports, its loss reduced now or left to wait (``clip``: a scale-after
+        step's; a count-first ``end()`` refuses one before it comes here). What its end() refuses
         (``refusal``) it raises here, the step left open; where the step's loss reduction has
         peers to tell, it carries the refusal first (once, however often end() is called), and
         they raise on their next use of it (``peer_refused``)."""
-        next_step = ledger.options.loss_logging == "next_step"
+        next_step, collective = ledger.options.loss_logging == "next_step", self.collective
         if refusal is not None and (collective.world_size == 1 or next_step):
             raise refusal
         # A compiled step takes every microbatch through scale_loss(): its reads take none.
@@ -224,10 +227,10 @@ class ScaleAfter:
 
     def __init__(
         self,
+        collective: Collective,
+        ledger: Ledger,
         parameters: list[torch.Tensor],
-        estimate: torch.Tensor | float,
         divisor: float,
-        layout: Layout,
         loss: bool = True,
     ) -> None:
         # Gradients left from before the step would be rescaled with this step's: refused on
@@ -235,16 +238,17 @@ class ScaleAfter:
         if groups := _torch.gradient_groups(parameters):
             _torch.assert_true(~_torch.nonzero_gradients(groups), device_message("stale_gradients"))
         self.backwards = _torch.Backwards(parameters)  # on this rank, scaled or not
-        self.parameters, self._estimate, self._divisor = parameters, estimate, divisor
-        self._loss = loss
-        self._layout, self._terms = layout, layout.terms
-        self._count = str(layout.terms[0].count)
+        self.collective, self.parameters, self._divisor = collective, parameters, divisor
+        self._estimate, self._loss = ledger.estimated(), loss
+        self._layout = layout = ledger.layout
+        self._terms, self._count = layout.terms, str(layout.terms[0].count)
         # Which terms' losses are means (each weighted by its microbatch's count), if any.
         means = [term.loss_reduction == "mean" for term in layout.terms]
         self._means = tuple(means) if any(means) else ()
         self._cast: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._counts: dict[str, list[Count]] = {name: [] for name in COUNTS}
         self._losses: list[tuple[torch.Tensor, ...]] = []  # per microbatch, one per term
+        self._rescaled = [False]  # shared with the hooks of the scaled losses (not this step)
         self._given = frozenset(map(id, parameters))
         # Parameters a loss reaches, not given, by id: each with its gradient, and that
         # gradient's version, when the first loss that reached it was scaled.
@@ -290,34 +294,43 @@ class ScaleAfter:
         if len(losses) == 1:  # the common case, kept short: it runs per microbatch
             guarded = _guarded(losses[0], weight)
             self._losses.append((guarded.detach().to(torch.float64, copy=True),))
-            return guarded * factor
+            return self._before_end(guarded * factor, step)
         guards = [_guarded(loss, weight) for loss in losses]
         self._losses.append(tuple([g.detach().to(torch.float64, copy=True) for g in guards]))
         means = self._means or (False,) * len(guards)
         scaled = [g * (factor if m else shared) for g, m in zip(guards, means, strict=True)]
-        return sum(scaled[1:], scaled[0])
+        return self._before_end(sum(scaled[1:], scaled[0]), step)
+
+    def _before_end(self, scaled: torch.Tensor, step: int) -> torch.Tensor:
+        """``scaled``, whose backward is refused once end() has rescaled the gradients: it
+        would add a gradient that keeps its provisional factor (a count-first factor is final,
+        so a count-first loss may be back-propagated after end())."""
+        if scaled.requires_grad:
+            _torch.register_hook(scaled, functools.partial(_refuse_after_end, self._rescaled, step))
+        return scaled
 
     def end(
-        self, ledger: Ledger, step: Step, collective: Collective, refusal: Exception | None
+        self, ledger: Ledger, step: Step, refusal: Exception | None, clip: float | None = None
     ) -> StepResult:
-        """What the step reports once its reduction has rescaled its gradients: reduced, then
-        rescaled, each once, even after a failure. The reduction carries the loss that waits,
+        """What the step reports once its reduction has rescaled its gradients (and its ranks
+        agreed on the norm ``end()`` then clips to, ``clip``): reduced, then rescaled, each
+        once, even after a failure. The reduction carries the loss that waits,
         and gives the next E (the option's where its check fails, on every rank alike), whether
         its check then passes or not. (A scale-after step's refusals travel in its reduction:
         the machine's ``refusal`` is a count-first step's.)"""
         if self.reduction is None:
             ledger.settle()
-            codes = ledger.codes(step.number, terms.SCALE_AFTER_END)
+            codes = ledger.codes(step.number, terms.SCALE_AFTER_END, clip)
             self._groups = _torch.gradient_groups(self.parameters)
             totals = {name: self._sum(name) for name in COUNTS}
-            device = reduction_device(collective, totals)
+            device = reduction_device(self.collective, totals)
             gave = dict(zip(COUNTS, step.given or (False,) * len(COUNTS), strict=True))
             flags = {n: (gave[n], not gave[n] and bool(self._losses)) for n in COUNTS}
             # No loss scaled: the payload's own zeros.
             losses = (self._loss_sum() if self._losses else None, ledger.carried)
-            unscaled, own = self._refusals(collective.world_size, codes[0])
+            unscaled, own = self._refusals(self.collective.world_size, codes[0])
             self.reduction = Reduction(
-                collective, self._layout, codes, device, totals, flags, losses, False,
+                self.collective, self._layout, codes, device, totals, flags, losses, False,
                 self._counts, unscaled, own,
             )  # fmt: skip
             ledger.add(self.reduction, estimates=True)
@@ -325,7 +338,7 @@ class ScaleAfter:
             total = self.reduction.total(self._count)
             # Applied at the gradients' precision or better, never rounded to bf16 first.
             _torch.multiply(self._groups, weighting.gradient_correction(total, self._estimate))
-            self.total = total
+            self.total, self._rescaled[0] = total, True
         return StepResult(step.number, self.reduction, self.reduction, [])
 
     def _refusals(self, ranks: int, step: int) -> tuple[float | torch.Tensor, Exception | None]:
@@ -398,6 +411,11 @@ def _not_given(
     reached = [p for p in _torch.leaves(losses) if isinstance(p, torch.nn.Parameter)]
     holders = [(shards or {}).get(id(p), p) for p in reached]  # an unsharded one's: its shard
     return {id(p): p for p in holders if id(p) not in given}
+
+
+def _refuse_after_end(rescaled: list[bool], step: int, _: torch.Tensor) -> None:
+    if rescaled[0]:
+        raise error("backward_after_end", step=step)
 
 
 def _written(

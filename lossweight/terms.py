@@ -25,6 +25,10 @@ COUNTS = ("samples", "tokens", "weight_sum")
 ARGUMENTS = {"samples": "num_samples", "tokens": "num_tokens", "weight_sum": "weight_sum"}
 """The argument of ``begin()`` and ``scale_loss()`` (and field of StepResult) of each count."""
 INTEGER = ("samples", "tokens")
+TOO_LARGE = {  # the fix of a step's total of 2**62 or more, by count
+    **dict.fromkeys(INTEGER, "count the items of one optimizer step only"),
+    "weight_sum": "scale the weights down (a weighted mean does not depend on their scale)",
+}
 MOST_TERMS = 8  # every payload has as many loss slots: a length that no rank's terms change
 _POSITIVE = {
     "grad_reduction": "'mean' (the wrapper averages the ranks' gradients, as DDP and FSDP do), "
@@ -44,11 +48,12 @@ CALLS = (
 COUNT_FIRST_BEGIN, SCALE_AFTER_END, COUNT_FIRST_END, FLUSH = range(len(CALLS))
 # What the ranks agree on in every reduction, one code each: the step, the call, whether it
 # carries an earlier step's loss, the logging option, a 32-bit digest of the terms; a number
-# (the divisor D, the estimate E that a scale-after step's factors assume) takes four 16-bit
-# codes, its float64 bits, so that two numbers that differ in any bit differ in a code.
+# (the divisor D, the estimate E that a scale-after step's factors assume, the norm its end()
+# clips to) takes four 16-bit codes, its float64 bits, so that two numbers that differ in any
+# bit differ in a code.
 FIELDS = (
     "step", "call", "carried", "loss_logging", *["terms"] * 2,
-    *["grad_reduction"] * 4, *["weight_estimate"] * 4,
+    *["grad_reduction"] * 4, *["weight_estimate"] * 4, *["max_grad_norm"] * 4,
 )  # fmt: skip
 
 
@@ -180,8 +185,9 @@ def number_of(codes: tuple[int, ...]) -> float:
     return struct.unpack("<d", struct.pack("<4H", *codes))[0]  # type: ignore[no-any-return]
 
 
-REDUCED = number_codes(math.nan)
-"""The estimate's codes where it is the last step's reduced ``W``, the same on every rank."""
+NO_NUMBER = number_codes(math.nan)
+"""A number's codes where there is none to agree on: the estimate's where it is the last
+step's reduced ``W`` (the same on every rank), the clip's where ``end()`` does not clip."""
 
 
 _START, _SIZE = 2 * len(FIELDS) + 2, len(COUNTS)  # the first of the counts' slots; how many

@@ -88,6 +88,7 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     "differ_divisor": ("test_device_checks.py", "the ranks differ in grad_reduction"),
     "differ_carried": ("test_faults.py", "% of the ranks' reductions carry the loss"),
     "differ_estimate": ("test_faults.py", "the ranks differ in the estimate of W"),
+    "differ_clip": ("test_faults.py", "the ranks differ in end(max_grad_norm=...)"),
     "other_thread": ("test_hardening.py", "another thread was inside a call"),
     "group_destroyed": (
         "test_faults.py",

@@ -221,6 +221,18 @@ def _weight_estimate(rank: int, group: dist.ProcessGroup) -> None:
     scale_after_step(acc, _scalar(), [1.0, 2.0], [3, 4])
 
 
+@protocol("max_grad_norm")
+def _max_grad_norm(rank: int, group: dist.ProcessGroup) -> None:
+    # A scale-after step whose end() clips on rank 0 alone: under DDP the replicas would then
+    # step with different gradients, so end() must refuse on both, before either clips.
+    acc = Accumulator(group=group, loss_reduction="mean")
+    x = _scalar()
+    acc.begin(parameters=[x])
+    for loss, count in zip([1.0, 2.0], [3, 4], strict=True):
+        acc.scale_loss(loss * x, num_tokens=count).backward()
+    acc.end(max_grad_norm=(0.5, None)[rank])
+
+
 @protocol("abandoned_alone/next_step")
 def _abandoned_next_step(rank: int, group: dist.ProcessGroup) -> dict:
     # Rank 0 abandons step 2 while rank 1 ends it, with loss_logging="next_step": the step
@@ -724,6 +736,13 @@ DISAGREEMENTS = {
         [
             ["the ranks differ in the estimate of W", "this rank's is 1;"],
             ["the ranks differ in the estimate of W", "this rank's is 1000;"],
+        ],
+    ),
+    "max_grad_norm": (
+        None,
+        [
+            ["the ranks differ in end(max_grad_norm=...)", "this rank's is 0.5,"],
+            ["the ranks differ in end(max_grad_norm=...)", "this rank's is None,"],
         ],
     ),
     "abandoned_alone/next_step": (

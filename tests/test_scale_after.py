@@ -168,6 +168,31 @@ def test_fp16_needs_the_estimate_of_the_first_step() -> None:
         torch.testing.assert_close(grad.double(), reference, rtol=0.01, atol=0.01 * 0.9)
 
 
+@pytest.mark.parametrize("empty", ["scale-after", "count-first", "loaded"])
+def test_a_step_after_an_empty_one_assumes_the_option_s_estimate(empty: str) -> None:
+    # After a step whose W was 0, the next one assumed E = 0 (taken as 1: raw counts), not the
+    # weight_estimate fp16 needs: 3e4 tokens of gradient 3 overflowed fp16 to inf, unrefused.
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    acc = Accumulator(loss_reduction="sum", weight_estimate=30000.0)
+    if empty == "scale-after":
+        acc.begin(parameters=[p])
+        acc.scale_loss((p.float() * 3).sum() * 0, num_tokens=0).backward()
+        assert acc.end().is_empty.item()
+    elif empty == "count-first":
+        acc.begin(num_tokens=[0])
+        acc.scale_loss((p.float() * 3).sum() * 0).backward()
+        acc.end()
+    else:
+        acc.load_state_dict({**acc.state_dict(), "weight_estimate": 0.0})  # saved so before
+    assert acc.state_dict()["weight_estimate"] == 30000.0
+    p.grad = None
+    acc.begin(parameters=[p])
+    for count in (15000, 15000):
+        acc.scale_loss((p.float() * 3).sum() * count, num_tokens=count).backward()
+    assert acc.end().num_tokens.item() == 30000
+    assert p.grad is not None and p.grad.tolist() == [3.0] * 4
+
+
 X = torch.nn.Parameter(torch.ones(()))
 
 
@@ -382,6 +407,40 @@ def test_a_step_whose_losses_skipped_scale_loss_is_refused() -> None:
     x.grad = None
     acc.begin(parameters=[x])
     assert acc.end().num_tokens.item() == 0 and x.grad is None
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_scaled_loss_back_propagated_after_end_is_refused(compiled: bool) -> None:
+    # The last loss's backward after end() kept its provisional factor 1 / E: the gradient was
+    # 5.375, not 1, with no error (E = 1, W = 8). A count-first factor is final: the same loop
+    # gives 1 there.
+    x = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    for scale_after in (False, True):
+        x.grad = None
+        acc = Accumulator(loss_reduction="sum")
+        scale = torch.compile(acc.scale_loss) if compiled and scale_after else acc.scale_loss
+        acc.begin(parameters=[x]) if scale_after else acc.begin(num_tokens=[3, 5])
+        scale((x + 1) * 3, **({"num_tokens": 3} if scale_after else {})).backward()
+        last = scale((x + 1) * 5, **({"num_tokens": 5} if scale_after else {}))
+        acc.end()
+        if not scale_after:
+            last.backward()
+            assert x.grad.item() == 1.0  # type: ignore[union-attr]
+            continue
+        with pytest.raises(RuntimeError, match=r"step 1 was back-propagated after that step's"):
+            last.backward()
+        assert x.grad.item() == 3 / 8  # type: ignore[union-attr]  # the first loss's, rescaled
+    # An unscaled term back-propagated after end() is added as it is (docs/scale-after.md),
+    # and the next step's scaled losses are its own.
+    x.grad = None
+    acc.begin(parameters=[x])
+    acc.scale_loss((x + 1) * 2, num_tokens=2).backward()
+    acc.end()
+    (x * 0.5).backward()
+    x.grad = None
+    acc.begin(parameters=[x])
+    acc.scale_loss((x + 1) * 2, num_tokens=2).backward()
+    assert acc.end().num_tokens.item() == 2 and x.grad.item() == 1.0  # type: ignore[union-attr]
 
 
 def _clipped_run(max_grad_norm: float, tied: bool) -> tuple[dict[str, torch.Tensor], ...]:
