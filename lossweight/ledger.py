@@ -21,6 +21,9 @@ class Ledger:
 
     def __init__(self, options: Options, layout: Layout) -> None:
         self.options, self.layout, self.default = options, layout, float(options.weight_estimate)
+        # A reduced estimate is the same on every rank, but where its W is 0 it falls back to
+        # the option, which may not be: its codes are the option's, negated to say both.
+        self.reduced = terms.number_codes(-self.default)
         self.world: tuple[int, float, tuple[int, ...]] = (0, 1.0, ())
         self.unsettled: list[payload.Reduction] = []
         self.pending: PendingLoss | None = None
@@ -62,7 +65,7 @@ class Ledger:
         """What the ranks agree on in a reduction: the step, the call, whether it carries a loss,
         the options, the estimate (a reduced one is the same on every rank; others may not), and
         the norm a scale-after ``end()`` clips to (``clip``), if any."""
-        estimate = self.assumed if isinstance(self.estimate, float) else terms.NO_NUMBER
+        estimate = self.assumed if isinstance(self.estimate, float) else self.reduced
         clipped = terms.NO_NUMBER if clip is None else terms.number_codes(clip)
         return (step % 2**16, call, self.pending is not None, *self.world[2], *estimate, *clipped)
 

@@ -209,7 +209,7 @@ class Reduction:
             refused = round(values[layout.refused])
             self._error = self._refusal or error("peer_refused", count=refused, ranks=ranks)
         elif names := [n for n in COUNTS if not passed[layout.high[n]]]:
-            fix = terms.TOO_LARGE[names[-1]]  # the weights' where they are among them
+            fix = "; ".join(dict.fromkeys(terms.TOO_LARGE[n] for n in names))
             name = " and ".join(ARGUMENTS[n] for n in names)
             self._error = error("total_too_large", name=name, fix=fix)
         else:  # only the last checks failed: the parallel layout's
@@ -260,8 +260,8 @@ def _problem(field: str, mean: float, square: float, own: tuple[int, ...], layou
         return device_message("differ_choice", share=share, **fields)
     number = terms.number_of(own)
     if field == "max_grad_norm":
-        return device_message("differ_clip", own="None" if math.isnan(number) else f"{number:g}")
+        return device_message("differ_clip", own="None" if math.isnan(number) else repr(number))
     if field == "weight_estimate":
-        shown = "the W its last step reduced" if math.isnan(number) else f"{number:g}"
-        return device_message("differ_estimate", own=shown)
+        shown = f"the W its last step reduced, or {-number!r} where that is 0"
+        return device_message("differ_estimate", own=repr(number) if number > 0 else shown)
     return device_message("differ_divisor", divisor=number)

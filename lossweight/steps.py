@@ -335,6 +335,8 @@ class ScaleAfter:
             )  # fmt: skip
             ledger.add(self.reduction, estimates=True)
         if self.total is None:
+            if clip is not None:  # on an accelerator, the verdict too: no rank may clip alone
+                self.reduction.settle(wait=True)
             total = self.reduction.total(self._count)
             # Applied at the gradients' precision or better, never rounded to bf16 first.
             _torch.multiply(self._groups, weighting.gradient_correction(total, self._estimate))

@@ -186,8 +186,7 @@ def number_of(codes: tuple[int, ...]) -> float:
 
 
 NO_NUMBER = number_codes(math.nan)
-"""A number's codes where there is none to agree on: the estimate's where it is the last
-step's reduced ``W`` (the same on every rank), the clip's where ``end()`` does not clip."""
+"""A number's codes where there is none: the clip's where ``end()`` does not clip."""
 
 
 _START, _SIZE = 2 * len(FIELDS) + 2, len(COUNTS)  # the first of the counts' slots; how many

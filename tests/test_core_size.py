@@ -67,10 +67,12 @@ scale-after step's are; then 1,735 (sittings 274 and 349) with a scale-after ste
 read from the counts it keeps rather than kept twice, and the next estimate chosen by one
 ``where`` where the ranks disagree; then 1,733 (scale-after sitting 348) with those weights
 made float64 from the counts as given, a Python float no longer rounded to float32 first;
-then 1,762 (sittings 277 and 358) with what four slips of a loop met: a scaled loss
+then 1,764 (sittings 277 and 359) with what five slips of a loop met: a scaled loss
 back-propagated after a scale-after ``end()`` refused, ranks that clip to different norms
-refused (the norm one of the agreement codes), an empty step's ``W`` of 0 no longer taken as
-the next estimate, and a weight sum's total of 2**62 told its own fix.
+refused (the norm one of the agreement codes, its verdict waited for before a clip), an empty
+step's ``W`` of 0 no longer taken as the next estimate, ranks whose ``weight_estimate``
+options differ refused where a reduced estimate falls back to them, and a weight sum's total
+of 2**62 told its own fix.
 ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
@@ -109,10 +111,10 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1762),
+    ("code lines", lambda s: s.code_lines, "<=", 1764),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
     ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 277),
-    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 358),
+    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 359),
     ("torch-free lines", lambda s: s.torch_free_lines, ">=", 350),
     ("longest class", lambda s: s.longest_class.lines, "<=", 250),
     ("longest function", lambda s: s.longest_function.lines, "<=", 40),

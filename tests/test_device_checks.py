@@ -59,6 +59,43 @@ def test_a_disagreement_says_the_same_on_the_host_and_on_the_device_path(
         assert device_message == host_message
 
 
+def clipping_alone(rank: int, collective: InProcessCollective) -> tuple[str, str, float]:
+    """A scale-after step whose end() clips on rank 0 alone: (the call that raised, its error,
+    the gradient the step left)."""
+    acc = Accumulator(loss_reduction="sum", collective=collective)
+    p = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    acc.begin(parameters=[p])
+    acc.scale_loss((p + 1.0) * 3, num_tokens=3).backward()
+    try:
+        acc.end(max_grad_norm=(0.5, None)[rank])
+    except DisagreementError as error:
+        return "end", str(error), p.grad.item()  # type: ignore[union-attr]
+    gradient = p.grad.item()  # type: ignore[union-attr]
+    with pytest.raises(DisagreementError) as raised:
+        acc.begin(parameters=[p])
+    return "begin", str(raised.value), gradient
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_ranks_that_clip_differently_raise_before_either_clips(
+    monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    # On an accelerator the rank that clips ran clip_grad_norm_ on NaN gradients, alone (under
+    # FSDP2 a collective of its own: a hang); the verdict came at its next call. A clipping
+    # end() now waits for the verdict; a rank that does not clip meets it at its next call, as
+    # any disagreement on an accelerator (its gradients NaN meanwhile).
+    if path == "device":
+        monkeypatch.setattr(payload, "CHECKED_ON_HOST", ())  # the CPU as an accelerator
+    outcomes = InProcessGroup(2).run(clipping_alone)
+    for rank, (where, message, gradient) in enumerate(outcomes):
+        assert "the ranks differ in end(max_grad_norm=...)" in message
+        assert f"this rank's is {(0.5, None)[rank]}," in message
+        if rank == 0 or path == "host":
+            assert (where, gradient) == ("end", 6.0)  # provisional (D / E = 2), not clipped
+        else:
+            assert where == "begin" and math.isnan(gradient)
+
+
 def test_the_compiled_checks_say_the_table_s_words() -> None:
     # The asserts a compiled graph keeps carry fixed texts: each is a row of the one table,
     # its fields filled in.

@@ -221,6 +221,16 @@ def _weight_estimate(rank: int, group: dist.ProcessGroup) -> None:
     scale_after_step(acc, _scalar(), [1.0, 2.0], [3, 4])
 
 
+@protocol("weight_estimate/reduced")
+def _weight_estimate_reduced(rank: int, group: dist.ProcessGroup) -> None:
+    # The same saved estimate, options that differ, then an empty count-first step: each rank
+    # would fall back to its own option, and DDP would average gradients at different scales.
+    acc = Accumulator(group=group, loss_reduction="sum", weight_estimate=(1.0, 1000.0)[rank])
+    acc.load_state_dict({**acc.state_dict(), "weight_estimate": 8.0})
+    count_first_step(acc, _scalar(), [1.0], [0])
+    scale_after_step(acc, _scalar(), [1.0, 2.0], [3, 4])
+
+
 @protocol("max_grad_norm")
 def _max_grad_norm(rank: int, group: dist.ProcessGroup) -> None:
     # A scale-after step whose end() clips on rank 0 alone: under DDP the replicas would then
@@ -734,8 +744,15 @@ DISAGREEMENTS = {
     "weight_estimate": (
         None,
         [
-            ["the ranks differ in the estimate of W", "this rank's is 1;"],
-            ["the ranks differ in the estimate of W", "this rank's is 1000;"],
+            ["the ranks differ in the estimate of W", "this rank's is 1.0;"],
+            ["the ranks differ in the estimate of W", "this rank's is 1000.0;"],
+        ],
+    ),
+    "weight_estimate/reduced": (
+        None,
+        [
+            ["the ranks differ in the estimate of W", "reduced, or 1.0 where that is 0;"],
+            ["the ranks differ in the estimate of W", "reduced, or 1000.0 where that is 0;"],
         ],
     ),
     "max_grad_norm": (

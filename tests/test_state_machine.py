@@ -268,7 +268,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
 
     def _new_group(self, world_size: int, weight_estimate: float) -> None:
         self.world_size = world_size
-        self.default_estimate = Fraction(float(weight_estimate))  # after a failed reduction
+        self.default_estimate = Fraction(float(weight_estimate))  # after a failed or empty one
         self.group = InProcessGroup(world_size)
         self.calls = 0  # the all-reduces each rank has issued
         chosen = {name: self.options[name] for name in (*OPTIONS, "weight_estimate")}
@@ -471,8 +471,8 @@ class AccumulatorMachine(RuleBasedStateMachine):
         self.step = StepModel(self.steps, "count_first", self._divisor(), self.estimate, ranks)
         self.flush_waits = False
         # A count-first step's W is the next estimate from its begin() on, on every rank,
-        # whether the step then ends or is abandoned.
-        self.estimate = Fraction(float(self.step.total()))
+        # whether the step then ends or is abandoned; a W of 0, the option's.
+        self.estimate = Fraction(float(self.step.total())) or self.default_estimate
         self._carry()
 
     def _count_format(self, data: st.DataObject, counts: list[int]) -> object:
@@ -728,7 +728,7 @@ class AccumulatorMachine(RuleBasedStateMachine):
                     check_close(param.grad.item(), exact, ulps, what)
         outcome = self._outcome(step, results, "ready" if reduced else "pending")
         self._check_outcome(outcome)
-        self.estimate = Fraction(float(total))
+        self.estimate = Fraction(float(total)) or self.default_estimate  # W of 0: the option's
         self.stale_contexts = [part.context for part in step.ranks]
         self.step, self.flush_waits = None, False
         if step.mode == "scale_after":
