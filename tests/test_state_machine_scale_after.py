@@ -252,6 +252,7 @@ class ScaleAfterMachine(RuleBasedStateMachine):
             "main": Fraction(options["weight_estimate"]),
             OTHER: Fraction(other_options["weight_estimate"]),
         }
+        self.defaults = dict(self.estimates)  # E after a step whose W was 0
 
     def teardown(self) -> None:  # leave no scale-after step open for the next example
         for acc in [*getattr(self, "accs", []), getattr(self, "other", None)]:
@@ -501,7 +502,7 @@ class ScaleAfterMachine(RuleBasedStateMachine):
         self.steps["main"] += 1
         self.main = step
         # Its W is the next estimate from begin() on, whether the step ends or is abandoned.
-        self.estimates["main"] = Fraction(step.total())
+        self.estimates["main"] = Fraction(step.total()) or self.defaults["main"]
 
     def _main_ranks(self) -> list[int]:
         step = self.main
@@ -569,7 +570,7 @@ class ScaleAfterMachine(RuleBasedStateMachine):
         total = step.total()
         for result in results:
             assert result.step == step.index and weight_total(result, weight_by) == total
-        self.estimates["main"] = Fraction(total)
+        self.estimates["main"] = Fraction(total) or self.defaults["main"]
         self.main = None
 
     def _abandon(self, data: st.DataObject) -> None:
@@ -599,7 +600,7 @@ class ScaleAfterMachine(RuleBasedStateMachine):
             name = f"num_{self.other_options['weight_by']}"
             kwargs: dict[str, Any] = {name: list(weights)}
             step.contexts[OTHER] = self.other.begin(**kwargs)
-            self.estimates[OTHER] = Fraction(step.total())  # ended or abandoned
+            self.estimates[OTHER] = Fraction(step.total()) or self.defaults[OTHER]  # ended or not
         self.steps[OTHER] += 1
         self.side = step
 
@@ -614,7 +615,7 @@ class ScaleAfterMachine(RuleBasedStateMachine):
         if step.mode == "scale_after":
             self._settle(OTHER, step)
         assert weight_total(result, self.other_options["weight_by"]) == step.total()
-        self.estimates[OTHER] = Fraction(step.total())
+        self.estimates[OTHER] = Fraction(step.total()) or self.defaults[OTHER]
         self.side = None
 
     # What holds after every rule.
