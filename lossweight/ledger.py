@@ -63,8 +63,8 @@ class Ledger:
 
     def codes(self, step: int, call: int, clip: float | None = None) -> tuple[int, ...]:
         """What the ranks agree on in a reduction: the step, the call, whether it carries a loss,
-        the options, the estimate (a reduced one is the same on every rank; others may not), and
-        the norm a scale-after ``end()`` clips to (``clip``), if any."""
+        the options, the estimate (of a reduced one, the option it falls back to), and the norm
+        a scale-after ``end()`` clips to (``clip``), if any."""
         estimate = self.assumed if isinstance(self.estimate, float) else self.reduced
         clipped = terms.NO_NUMBER if clip is None else terms.number_codes(clip)
         return (step % 2**16, call, self.pending is not None, *self.world[2], *estimate, *clipped)
