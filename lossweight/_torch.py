@@ -160,15 +160,13 @@ def _recomputed(run: object) -> Iterator[torch.Tensor]:
             yield from module.parameters()
 
 
-def fsdp_shards() -> dict[int, torch.Tensor] | None:
-    """FSDP2's sharded parameters (DTensors: a module's parameters between steps, which get the
-    reduced gradients), by the id of the unsharded parameter that FSDP2 swaps into the module
-    for its forward and backward (one tensor from the first all-gather on), which a graph
-    reaches; from each ``fully_shard``-ed module's state in torch's registry of module states.
-    None where FSDP2 is imported but they are not where torch 2.13 keeps them."""
+def _fsdp_params() -> list[Any] | None:
+    """FSDP2's parameters (its ``FSDPParam`` records) of every ``fully_shard``-ed module, from
+    each one's state in torch's registry of module states: none where FSDP2 is not imported,
+    None where it is but they are not where torch 2.13 keeps them."""
     fsdp = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_state")
     if fsdp is None:  # FSDP2 is not imported: there is none
-        return {}
+        return []
     try:
         from torch.distributed._composable_state import _module_state_mapping
 
@@ -176,13 +174,35 @@ def fsdp_shards() -> dict[int, torch.Tensor] | None:
         states = [state for state in states if isinstance(state, fsdp.FSDPState)]
         # torch 2.13 has a list of groups per state; torch before it, one group or None.
         groups = [getattr(s, "_fsdp_param_groups", None) or [s._fsdp_param_group] for s in states]
-        params = [
-            param for listed in groups for group in listed if group for param in group.fsdp_params
-        ]
-        unsharded = [(getattr(p, "_unsharded_param", None), p.sharded_param) for p in params]
-        return {id(tensor): shard for tensor, shard in unsharded if tensor is not None}
+        params = [p for listed in groups for group in listed if group for p in group.fsdp_params]
+        return [p for p in params if isinstance(p.sharded_param, torch.Tensor)]
     except (ImportError, AttributeError, TypeError, RuntimeError):  # Runtime: changed meanwhile
         return None
+
+
+def fsdp_shards() -> dict[int, torch.Tensor] | None:
+    """FSDP2's sharded parameters (DTensors: a module's parameters between steps, which get the
+    reduced gradients), by the id of the unsharded parameter that FSDP2 swaps into the module
+    for its forward and backward (one tensor from the first all-gather on), which a graph
+    reaches; None where FSDP2 is imported but they are not found."""
+    if (params := _fsdp_params()) is None:
+        return None
+    unsharded = [(getattr(p, "_unsharded_param", None), p.sharded_param) for p in params]
+    return {id(tensor): shard for tensor, shard in unsharded if tensor is not None}
+
+
+def fsdp_held(given: list[torch.Tensor]) -> Groups:
+    """What FSDP2 holds for the next reduce-scatter into the shards among ``given``: gradients
+    that backward passes with gradient sync off left on its unsharded parameters (or their
+    copies at its reduce dtype), which ``zero_grad()`` does not reach; by device and dtype."""
+    ids, groups = {id(p) for p in given}, defaultdict(list)
+    for param in _fsdp_params() or []:
+        unsharded = getattr(param, "_unsharded_param", None)  # made at its first all-gather
+        accumulated = getattr(param, "unsharded_accumulated_grad", None)
+        for grad in (getattr(unsharded, "grad", None), accumulated):
+            if isinstance(grad, torch.Tensor) and id(param.sharded_param) in ids:
+                groups[(grad.device, grad.dtype)].append(grad)
+    return groups
 
 
 def unsharded_given(sharded: list[torch.Tensor], given: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -237,6 +237,8 @@ class ScaleAfter:
         # the device where one (a sparse one's values) is nonzero.
         if groups := _torch.gradient_groups(parameters):
             _torch.assert_true(~_torch.nonzero_gradients(groups), device_message("stale_gradients"))
+        if held := _torch.fsdp_held(parameters):  # FSDP2's, for its next reduce-scatter
+            _torch.assert_true(~_torch.nonzero_gradients(held), device_message("fsdp_held"))
         self.backwards = _torch.Backwards(parameters)  # on this rank, scaled or not
         self.collective, self.parameters, self._divisor = collective, parameters, divisor
         self._estimate, self._loss = ledger.estimated(), loss

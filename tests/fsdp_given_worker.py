@@ -163,6 +163,35 @@ def case_outcome(rank: int, world_size: int, case: str) -> list[str]:
     return outcomes
 
 
+def held_after_abandon(rank: int, world_size: int, mixed: bool) -> list[str]:
+    """A scale-after step abandoned after a backward with gradient sync off, the gradients
+    zeroed: what begin() then does, before and after the recovery of docs/resume.md (a zero
+    loss back-propagated with gradient sync on, then zero_grad()). ``mixed``: FSDP2 reduces
+    in float64 a model computed in float32, keeping what it holds at that dtype."""
+    policy = MixedPrecisionPolicy(param_dtype=F32, reduce_dtype=F64)
+    model, optimizer = _model(world_size, **({"mp_policy": policy} if mixed else {}))
+    acc, x, outcomes = Accumulator(loss_reduction="sum"), _microbatches(rank, 0)[0], []
+    try:
+        with acc.begin(parameters=optimizer):
+            model.set_requires_gradient_sync(False)  # type: ignore[operator]
+            acc.scale_loss(model(x).sum(), num_tokens=len(x)).backward()
+            raise MemoryError("the next microbatch did not fit")
+    except MemoryError:
+        optimizer.zero_grad()
+    for recovered in (False, True):
+        if recovered:
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+            (model(x).sum() * 0).backward()
+            optimizer.zero_grad()
+        try:
+            acc.begin(parameters=optimizer)
+            outcomes.append("began")
+            acc.abandon()
+        except RuntimeError as error:
+            outcomes.append(f"{type(error).__name__}: {error}")
+    return outcomes
+
+
 def _not_found() -> None:
     return None
 
@@ -177,4 +206,6 @@ def run(rank: int, world_size: int) -> dict[str, list[str]]:
             outcomes[case] = case_outcome(rank, world_size, case)
         finally:
             _torch.fsdp_shards = found  # type: ignore[assignment]
+    for mixed in (False, True):
+        outcomes[f"held_after_abandon/{mixed}"] = held_after_abandon(rank, world_size, mixed)
     return outcomes

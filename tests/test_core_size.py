@@ -72,7 +72,8 @@ back-propagated after a scale-after ``end()`` refused, ranks that clip to differ
 refused (the norm one of the agreement codes, its verdict waited for before a clip), an empty
 step's ``W`` of 0 no longer taken as the next estimate, ranks whose ``weight_estimate``
 options differ refused where a reduced estimate falls back to them, and a weight sum's total
-of 2**62 told its own fix.
+of 2**62 told its own fix; then 1,778 (scale-after sitting 366) with what FSDP2 holds for the
+parameters of a scale-after step, left by an abandoned step, refused by its ``begin()``.
 ``parallel.py``'s bound is its
 target, 250, not a ratchet. Before, the total of physical lines was held, docstrings included,
 which rewarded cutting the docstrings that generate the API reference."""
@@ -111,10 +112,10 @@ def size(tmp_path_factory: pytest.TempPathFactory) -> CoreSize:
 
 
 BUDGETS: list[tuple[str, Callable[[CoreSize], int], str, int]] = [
-    ("code lines", lambda s: s.code_lines, "<=", 1764),
+    ("code lines", lambda s: s.code_lines, "<=", 1778),
     ("parallel code lines", lambda s: s.parallel_code_lines, "<=", 250),
     ("one sitting, count first", lambda s: s.sitting["count first"], "<=", 277),
-    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 359),
+    ("one sitting, scale after", lambda s: s.sitting["scale after"], "<=", 366),
     ("torch-free lines", lambda s: s.torch_free_lines, ">=", 350),
     ("longest class", lambda s: s.longest_class.lines, "<=", 250),
     ("longest function", lambda s: s.longest_function.lines, "<=", 40),

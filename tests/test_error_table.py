@@ -111,6 +111,7 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     "peers_differ": ("test_mesh.py", "which group= does not span, gave different counts"),
     "peer_refused": ("test_device_checks.py", "ranks of the reduction refused to end this step"),
     "fsdp_unsharded": ("test_fsdp_given.py", "while it was unsharded"),
+    "fsdp_held": ("test_fsdp_given.py", "FSDP2 (fully_shard) holds gradients"),
     "split_ranks": ("test_testing.py", "which are the ranks of every split"),
     "checks_differ": ("test_testing.py", "called assert_split_invariant with other"),
     "context_parallel_processes": ("test_testing.py", "simulates ranks in one process"),

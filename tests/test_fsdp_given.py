@@ -126,3 +126,17 @@ def test_where_fsdp2_s_parameters_are_not_found_nothing_is_refused(ranks: list[d
         assert all(map(_exact, rank["moved_model"])), rank["moved_model"]
         assert all(o.startswith("ended, max relative error") for o in rank["moved_one_group"])
         assert not _exact(rank["moved_one_group"][0])  # left unscaled, as the docs say
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["float64", "reduced-in-float64"])
+def test_what_fsdp2_holds_after_an_abandoned_step_is_refused_until_handed_over(
+    ranks: list[dict], mixed: bool
+) -> None:
+    # zero_grad() leaves what a backward with gradient sync off left on FSDP2's unsharded
+    # parameters, which the next step's reduce-scatter added to its gradients: 19.3 off in a
+    # repro, unrefused. The recovery of docs/resume.md hands it over to the sharded gradients.
+    for rank in ranks:
+        refused, recovered = rank[f"held_after_abandon/{mixed}"]
+        assert refused.startswith("RuntimeError: FSDP2 (fully_shard) holds gradients"), refused
+        assert "back-propagate a zero loss with gradient sync on" in refused
+        assert recovered == "began"
