@@ -10,7 +10,7 @@ import sys
 import weakref
 from array import array
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from math import inf
 from typing import Any
 
@@ -102,10 +102,14 @@ def unscaled(reached: list[torch.Tensor], parameters: list[torch.Tensor]) -> lis
 
 def gradient_groups(parameters: list[torch.Tensor]) -> Groups:
     """The gradients that exist, each once, by device and dtype for the foreach calls."""
+    return _grouped(_local(p.grad) for p in _once(parameters).values())  # type: ignore[arg-type]
+
+
+def _grouped(tensors: Iterable[torch.Tensor]) -> Groups:
+    """``tensors`` by device and dtype, as the foreach calls take them."""
     groups: Groups = defaultdict(list)
-    for parameter in _once(parameters).values():
-        local = _local(parameter.grad)  # type: ignore[arg-type]
-        groups[(local.device, local.dtype)].append(local)
+    for tensor in tensors:
+        groups[(tensor.device, tensor.dtype)].append(tensor)
     return groups
 
 
@@ -195,14 +199,13 @@ def fsdp_held(given: list[torch.Tensor]) -> Groups:
     """What FSDP2 holds for the next reduce-scatter into the shards among ``given``: gradients
     that backward passes with gradient sync off left on its unsharded parameters (or their
     copies at its reduce dtype), which ``zero_grad()`` does not reach; by device and dtype."""
-    ids, groups = {id(p) for p in given}, defaultdict(list)
+    ids, held = {id(p) for p in given}, []
     for param in _fsdp_params() or []:
-        unsharded = getattr(param, "_unsharded_param", None)  # made at its first all-gather
-        accumulated = getattr(param, "unsharded_accumulated_grad", None)
-        for grad in (getattr(unsharded, "grad", None), accumulated):
-            if isinstance(grad, torch.Tensor) and id(param.sharded_param) in ids:
-                groups[(grad.device, grad.dtype)].append(grad)
-    return groups
+        if id(param.sharded_param) in ids:
+            unsharded = getattr(param, "_unsharded_param", None)  # made at its first all-gather
+            accumulated = getattr(param, "unsharded_accumulated_grad", None)  # at reduce dtype
+            held += [getattr(unsharded, "grad", None), accumulated]
+    return _grouped(grad for grad in held if isinstance(grad, torch.Tensor))
 
 
 def unsharded_given(sharded: list[torch.Tensor], given: list[torch.Tensor]) -> list[torch.Tensor]:
